@@ -1,0 +1,260 @@
+"""
+nanodepth: one GPT whose residual stream is switchable.
+
+Read top to bottom: the config, the two sublayer kinds (attention, MLP), the residual
+modes (each one answers three questions: what a sublayer reads, how its output is written
+back, what the LM head reads), then the GPT that strings sublayers 1..2L through the
+chosen residual mode. See SPEC.md-derived notes in README.md for the equations.
+"""
+
+import inspect
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50257  # real vocab; the embedding and head are padded to a multiple of 64
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    residual: str = "prenorm"
+
+    def __post_init__(self):
+        # one-line errors that name the fix; called again by GPT() after any field edits
+        if self.residual not in RESIDUALS:
+            raise ValueError(f"unknown residual '{self.residual}'; valid: {', '.join(RESIDUALS)}")
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if (self.n_embd // self.n_head) % 2 != 0:
+            raise ValueError(f"head size n_embd/n_head = {self.n_embd // self.n_head} must be even for RoPE")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def n_sublayers(self):
+        return 2 * self.n_layer
+
+    @property
+    def padded_vocab_size(self):
+        return -(-self.vocab_size // 64) * 64
+
+
+# -----------------------------------------------------------------------------
+# building blocks
+
+class RMSNormFunction(torch.autograd.Function):
+    """y = x / rms(x) * w with a hand-written backward: about 3x fewer elementwise passes than
+    autograd through F.rms_norm, which matters on CPU where small models are op-bound."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        inv = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)
+        x_hat = (x.float() * inv).type_as(x)
+        ctx.save_for_backward(x_hat, weight, inv)
+        return x_hat * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_hat, weight, inv = ctx.saved_tensors
+        grad_weight = (grad * x_hat).flatten(0, -2).sum(0)
+        g = grad * weight
+        # d x_hat / d x = inv * (I - x_hat x_hat^T / d)
+        grad_x = (g - x_hat * (g * x_hat).mean(-1, keepdim=True)) * inv
+        return grad_x.type_as(x_hat), grad_weight, None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return RMSNormFunction.apply(x, self.weight, self.eps)
+
+
+def rope_table(head_dim, max_len, base=10000.0):
+    """Rotary position embedding as complex rotations e^{i t theta_j}: [max_len, head_dim/2] complex64."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rope(x, rot):
+    """Rotate consecutive feature pairs of x [B, T, ..., hd] by rot [T, hd/2] (the tokens' own
+    positions). One complex multiply: several times cheaper than the cos/sin/cat form on CPU."""
+    z = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    rot = rot.view(rot.shape[0], *([1] * (x.dim() - 3)), rot.shape[-1])
+    return torch.view_as_real(z * rot).flatten(-2).type_as(x)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, rope):
+        B, T, C = x.size()
+        qk, v = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).split((2, 1), dim=2)
+        q, k = apply_rope(qk, rope).unbind(2)  # q and k rotated together: one op instead of two
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.squeeze(2).transpose(1, 2)  # [B, nh, T, hd]
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, rope=None):
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+# -----------------------------------------------------------------------------
+# residual modes: the only place where the modes differ.
+# Each is a module holding the mode's own parameters, with four methods:
+#   embed(e)              -> state       the stream built from the token embedding
+#   read(state, l)        -> tensor      what sublayer l (0-based here) takes as input
+#   write(state, l, out)  -> state       how sublayer l's output goes back into the stream
+#   head(state, lm_head)  -> logits
+# plus rms(state) -> per-token RMS of the stream (diagnostics).
+
+class PreNorm(nn.Module):
+    """nanoGPT's baseline: x = x + f(RMSNorm(x)); the head reads RMSNorm(x)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.norms = nn.ModuleList(RMSNorm(config.n_embd) for _ in range(config.n_sublayers))
+        self.norm_f = RMSNorm(config.n_embd)
+
+    def embed(self, e):
+        return e
+
+    def read(self, x, l):
+        return self.norms[l](x)
+
+    def write(self, x, l, out):
+        return x + out
+
+    def head(self, x, lm_head):
+        return lm_head(self.norm_f(x))
+
+    def rms(self, x):
+        return x.float().pow(2).mean(-1).sqrt()
+
+
+RESIDUALS = {
+    "prenorm": PreNorm,
+}
+
+
+# -----------------------------------------------------------------------------
+# the model
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        config.__post_init__()
+        self.config = config
+        V, d = config.padded_vocab_size, config.n_embd
+        self.wte = nn.Embedding(V, d)
+        self.drop = nn.Dropout(config.dropout)
+        # sublayers l = 0..2L-1 alternate attention and MLP (SPEC numbers them 1..2L)
+        self.sublayers = nn.ModuleList(
+            CausalSelfAttention(config) if l % 2 == 0 else MLP(config) for l in range(config.n_sublayers))
+        self.stream = RESIDUALS[config.residual](config)
+        self.lm_head = nn.Linear(d, V, bias=False)
+        self.register_buffer("rope", rope_table(d // config.n_head, config.block_size), persistent=False)
+
+        self.apply(self._init_weights)
+        # scaled init of each sublayer's output projection (GPT-2 / nanoGPT)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(config.n_sublayers))
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def get_num_params(self, non_embedding=True):
+        """Parameter count. The token embedding is a lookup (no FLOPs), so non_embedding leaves
+        it out; the untied LM head is a real matmul and stays in."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.wte.weight.numel()
+        return n
+
+    def forward(self, idx, targets=None):
+        B, T = idx.size()
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        rope = self.rope[:T]
+        state = self.stream.embed(self.drop(self.wte(idx)))
+        for l, f in enumerate(self.sublayers):
+            state = self.stream.write(state, l, f(self.stream.read(state, l), rope))
+        if targets is None:
+            # inference: only the last position's logits are needed
+            state = _last_position(state)
+        logits = self.stream.head(state, self.lm_head)[..., :self.config.vocab_size]
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
+                                   ignore_index=-1)
+        return logits, loss
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        # weight decay on matrices and embeddings (>= 2-D); none on norms, gains and scalars
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        # fused on GPU; the multi-tensor (foreach) path on CPU is ~5% faster per step for small models
+        fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas,
+                                 **({"fused": True} if fused else {"foreach": True}))
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        """Sample max_new_tokens after idx (LongTensor [B, T]); the context is cropped to block_size."""
+        for _ in range(max_new_tokens):
+            idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
+            logits, _ = self(idx_cond)
+            logits = logits[:, -1, :]
+            if temperature == 0:
+                idx_next = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                    logits[logits < v[:, [-1]]] = -float("inf")
+                idx_next = torch.multinomial(F.softmax(logits.float(), dim=-1), num_samples=1)
+            idx = torch.cat((idx, idx_next), dim=1)
+        return idx
+
+
+def _last_position(state):
+    """Keep only the last token of every tensor in a stream state (a tensor or a tuple/list of them)."""
+    if torch.is_tensor(state):
+        return state[:, [-1]]
+    return type(state)(_last_position(s) for s in state)

@@ -1,0 +1,361 @@
+"""
+Train a nanodepth GPT.
+
+One process (GPU if there is one, else CPU):
+    python train.py config/shakespeare_char_cpu.py --residual=prenorm
+DDP, 8 GPUs on one node (gloo instead of NCCL when there is no GPU):
+    torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2_owt.py
+Resume the run in out_dir:
+    python train.py config/shakespeare_char_cpu.py --init_from=resume
+"""
+
+import contextlib
+import json
+import math
+import os
+import pickle
+import sys
+import time
+from dataclasses import asdict, fields
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from configurator import ConfigError, configure
+from model import GPT, GPTConfig
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+EVAL_SEED = 12345  # evals use the same batches every time, in every run: losses are comparable
+
+# -----------------------------------------------------------------------------
+# every key a config file or --key=value may set; model keys come from GPTConfig
+DEFAULTS = dict(
+    # I/O
+    out_dir="out",
+    eval_interval=250,
+    log_interval=10,
+    eval_iters=200,
+    eval_only=False,
+    always_save_checkpoint=True,
+    init_from="scratch",  # 'scratch' or 'resume'
+    # data
+    dataset="openwebtext",
+    data_dir=os.path.join(REPO, "data"),
+    gradient_accumulation_steps=40,  # global: divided among DDP ranks
+    batch_size=12,  # per micro-step and rank
+    # AdamW
+    learning_rate=6e-4,
+    max_iters=600000,
+    weight_decay=1e-1,
+    beta1=0.9,
+    beta2=0.95,
+    grad_clip=1.0,  # 0 disables
+    # cosine LR schedule with linear warmup
+    decay_lr=True,
+    warmup_iters=2000,
+    lr_decay_iters=None,  # None: max_iters
+    min_lr=None,  # None: learning_rate / 10
+    # system
+    device="auto",  # 'auto', 'cpu', 'cuda', 'cuda:1', ...
+    dtype="auto",  # 'auto' (bf16 autocast on a GPU that has it, else fp16; fp32 on CPU), or a name
+    compile=False,
+    seed=1337,
+)
+MODEL_KEYS = [f.name for f in fields(GPTConfig) if f.name != "vocab_size"]  # vocab comes from the data
+DEFAULTS.update({f.name: f.default for f in fields(GPTConfig) if f.name != "vocab_size"})
+
+
+# -----------------------------------------------------------------------------
+# data
+
+def find_data(cfg, master):
+    """Paths of train.bin / val.bin and the vocab size; prepares shakespeare_char if it is missing."""
+    ddir = os.path.join(cfg["data_dir"], cfg["dataset"])
+    paths = {split: os.path.join(ddir, f"{split}.bin") for split in ("train", "val")}
+    if not all(os.path.exists(p) for p in paths.values()):
+        if cfg["dataset"] != "shakespeare_char":
+            raise ConfigError(f"missing {paths['train']} or val.bin: run "
+                              f"python data/{cfg['dataset']}/prepare.py first")
+        if master:
+            print(f"no data in {ddir}: preparing shakespeare_char")
+            from data.shakespeare_char.prepare import prepare
+            prepare(out_dir=ddir)
+        if dist.is_initialized():
+            dist.barrier()
+    meta_path = os.path.join(ddir, "meta.pkl")
+    vocab_size = 50257  # gpt2 BPE unless the dataset says otherwise
+    if os.path.exists(meta_path):
+        with open(meta_path, "rb") as f:
+            vocab_size = pickle.load(f)["vocab_size"]
+    return paths, vocab_size
+
+
+def get_batch(path, batch_size, block_size, generator, device):
+    # a fresh memmap per batch avoids a memory leak (numpy memmaps keep pages referenced)
+    data = np.memmap(path, dtype=np.uint16, mode="r")
+    ix = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
+    x = torch.stack([torch.from_numpy(data[i:i + block_size].astype(np.int64)) for i in ix.tolist()])
+    y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block_size].astype(np.int64)) for i in ix.tolist()])
+    if device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
+
+def batch_generator(seed, iter_num, micro):
+    """The training batch of (iteration, global micro-step) depends on nothing else, so a resumed run,
+    or a DDP run with the same global gradient accumulation, sees exactly the same data."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + iter_num) * 1_009 + micro)
+
+
+# -----------------------------------------------------------------------------
+# checkpoints
+
+def save_checkpoint(obj, path):
+    """Atomic: write a temp file, flush it to disk, then rename over the old checkpoint, so a crash
+    at any moment leaves either the old or the new checkpoint, never a torn one."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path, device):
+    if not os.path.exists(path):
+        raise ConfigError(f"init_from='resume' but there is no checkpoint at {path}; start with --init_from=scratch")
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+        ckpt["model"], ckpt["model_args"], ckpt["iter_num"]
+    except Exception as e:
+        raise ConfigError(f"checkpoint {path} is corrupt or truncated ({type(e).__name__}); "
+                          f"restore it from a copy or start with --init_from=scratch") from None
+    return ckpt
+
+
+def resolve_model_args(cfg, ckpt_args):
+    """On resume the architecture comes from the checkpoint; a key the user explicitly changed to
+    something else is an error rather than silently ignored."""
+    args = {}
+    for k in MODEL_KEYS:
+        saved = ckpt_args.get(k, DEFAULTS[k])
+        if cfg[k] != DEFAULTS[k] and cfg[k] != saved and k != "dropout":
+            raise ConfigError(f"the checkpoint was trained with {k}={saved!r}, not {cfg[k]!r}; "
+                              f"drop --{k} or use another out_dir")
+        args[k] = cfg[k] if k == "dropout" else saved
+    return args
+
+
+def rng_state(device):
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+# -----------------------------------------------------------------------------
+
+def main(argv):
+    cfg = configure(argv, DEFAULTS)
+    if cfg["init_from"] not in ("scratch", "resume"):
+        raise ConfigError(f"init_from must be 'scratch' or 'resume', got {cfg['init_from']!r}")
+
+    # --- processes and devices
+    ddp = int(os.environ.get("RANK", -1)) != -1
+    if cfg["device"] == "auto":
+        cfg["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    rank, world = 0, 1
+    if ddp:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if cfg["device"].startswith("cuda"):
+            cfg["device"] = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+            torch.cuda.set_device(cfg["device"])
+        dist.init_process_group(backend="nccl" if cfg["device"].startswith("cuda") else "gloo")
+    master = rank == 0
+    device = torch.device(cfg["device"])
+    if cfg["gradient_accumulation_steps"] % world != 0:
+        raise ConfigError(f"gradient_accumulation_steps ({cfg['gradient_accumulation_steps']}) must be "
+                          f"divisible by the number of processes ({world})")
+    accum = cfg["gradient_accumulation_steps"] // world  # micro-steps per rank
+    if cfg["dtype"] == "auto":
+        cfg["dtype"] = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if device.type == "cuda" else "float32"
+    if cfg["dtype"] not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {cfg['dtype']!r}")
+    ptdtype = getattr(torch, cfg["dtype"])
+    autocast = (contextlib.nullcontext() if cfg["dtype"] == "float32"
+                else torch.autocast(device_type=device.type, dtype=ptdtype))
+    torch.manual_seed(cfg["seed"] + rank)  # dropout differs per rank; data order is set per batch
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    lr_decay_iters = cfg["lr_decay_iters"] if cfg["lr_decay_iters"] is not None else cfg["max_iters"]
+    min_lr = cfg["min_lr"] if cfg["min_lr"] is not None else cfg["learning_rate"] / 10
+
+    # --- data and model
+    paths, vocab_size = find_data(cfg, master)
+    n_val = os.path.getsize(paths["val"]) // 2
+    if cfg["block_size"] >= n_val:
+        raise ConfigError(f"block_size {cfg['block_size']} does not fit the val split of "
+                          f"{cfg['dataset']} ({n_val} tokens); lower --block_size")
+    os.makedirs(cfg["out_dir"], exist_ok=True)
+    ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
+    log_path = os.path.join(cfg["out_dir"], "log.jsonl")
+    ckpt = None
+    if cfg["init_from"] == "resume":
+        ckpt = load_checkpoint(ckpt_path, device)
+        model_args = resolve_model_args(cfg, ckpt["model_args"])
+        if ckpt["model_args"]["vocab_size"] != vocab_size:
+            raise ConfigError(f"the checkpoint has vocab_size {ckpt['model_args']['vocab_size']} but dataset "
+                              f"{cfg['dataset']} has {vocab_size}; use the dataset it was trained on")
+        cfg.update(model_args)
+    elif master and os.path.exists(ckpt_path):
+        # never silently lose a good checkpoint: keep the previous run's aside
+        os.replace(ckpt_path, os.path.join(cfg["out_dir"], "ckpt_prev.pt"))
+        if os.path.exists(log_path):
+            os.replace(log_path, os.path.join(cfg["out_dir"], "log_prev.jsonl"))
+        print(f"{ckpt_path} existed: moved it to ckpt_prev.pt (use --init_from=resume to continue it)")
+    try:
+        gptconf = GPTConfig(vocab_size=vocab_size, **{k: cfg[k] for k in MODEL_KEYS})
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    model = GPT(gptconf).to(device)
+    optimizer = model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"],
+                                           (cfg["beta1"], cfg["beta2"]), device.type)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg["dtype"] == "float16")
+    iter_num, best_val_loss = 0, float("inf")
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        if "scaler" in ckpt:
+            scaler.load_state_dict(ckpt["scaler"])
+        iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
+        rngs = ckpt.get("rng", [])
+        if len(rngs) == world:
+            torch.set_rng_state(rngs[rank]["torch"].cpu())
+            if "cuda" in rngs[rank] and device.type == "cuda":
+                torch.cuda.set_rng_state(rngs[rank]["cuda"].cpu(), device)
+        if master:
+            print(f"resuming from {ckpt_path} at iter {iter_num} (best val loss {best_val_loss:.4f})")
+        del ckpt
+    raw_model = model
+    if cfg["compile"]:
+        if master:
+            print("compiling the model...")
+        model = torch.compile(model)
+    if ddp:
+        # rope tables are buffers: no need to broadcast them, and evals run on rank 0 alone
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                    broadcast_buffers=False)
+
+    tokens_per_iter = accum * world * cfg["batch_size"] * cfg["block_size"]
+    if master:
+        print(f"{cfg['residual']}: {gptconf.n_layer} layers, {gptconf.n_embd} wide, "
+              f"{raw_model.get_num_params() / 1e6:.2f}M non-embedding params | {device} {cfg['dtype']} | "
+              f"{world} process(es) x {accum} micro-steps x {cfg['batch_size']} x {cfg['block_size']} "
+              f"= {tokens_per_iter:,} tokens/iter")
+
+    def get_lr(it):
+        if not cfg["decay_lr"]:
+            return cfg["learning_rate"]
+        if it < cfg["warmup_iters"]:
+            return cfg["learning_rate"] * (it + 1) / (cfg["warmup_iters"] + 1)
+        if it > lr_decay_iters:
+            return min_lr
+        ratio = (it - cfg["warmup_iters"]) / max(1, lr_decay_iters - cfg["warmup_iters"])
+        return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg["learning_rate"] - min_lr)
+
+    @torch.no_grad()
+    def estimate_loss():
+        raw_model.eval()
+        out = {}
+        for split in ("train", "val"):
+            g = torch.Generator().manual_seed(EVAL_SEED)
+            losses = torch.zeros(cfg["eval_iters"])
+            for k in range(cfg["eval_iters"]):
+                X, Y = get_batch(paths[split], cfg["batch_size"], cfg["block_size"], g, device)
+                with autocast:
+                    _, loss = raw_model(X, Y)
+                losses[k] = loss.item()
+            out[split] = losses.mean().item()
+        raw_model.train()
+        return out
+
+    # --- the loop: evaluate (and checkpoint) before iteration iter_num; train it; repeat
+    start_iter = iter_num
+    t_last, iters_since, train_time = time.time(), 0, 0.0
+    lossf = float("nan")
+    while True:
+        lr = get_lr(iter_num)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        is_eval = iter_num % cfg["eval_interval"] == 0 or iter_num == cfg["max_iters"]
+        if is_eval and (iter_num != start_iter or start_iter == 0 or cfg["eval_only"]):
+            rngs = rng_state(device)
+            if ddp:  # every rank's RNG goes into the checkpoint so resume restores each one
+                gathered = [None] * world
+                dist.all_gather_object(gathered, rngs)
+                rngs = gathered
+            else:
+                rngs = [rngs]
+            if master:
+                losses = estimate_loss()
+                ms = 1000 * train_time / max(iters_since, 1)
+                record = {"iter": iter_num, "tokens": iter_num * tokens_per_iter,
+                          "train_loss": round(losses["train"], 6), "val_loss": round(losses["val"], 6),
+                          "lr": lr, "ms_per_iter": round(ms, 2),
+                          "tokens_per_s": round(tokens_per_iter / (ms / 1000), 1) if iters_since else None}
+                print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+                with open(log_path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+                improved = losses["val"] < best_val_loss
+                best_val_loss = min(best_val_loss, losses["val"])
+                if iter_num > 0 and (improved or cfg["always_save_checkpoint"]):
+                    save_checkpoint({
+                        "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "scaler": scaler.state_dict(), "model_args": asdict(gptconf),
+                        "iter_num": iter_num, "best_val_loss": best_val_loss, "config": cfg, "rng": rngs,
+                    }, ckpt_path)
+                    print(f"saved checkpoint to {ckpt_path}")
+            train_time, iters_since = 0.0, 0
+            t_last = time.time()
+        if iter_num >= cfg["max_iters"] or cfg["eval_only"]:
+            break
+
+        # one optimizer step over `accum` micro-steps; gradients sync only on the last one
+        for micro in range(accum):
+            X, Y = get_batch(paths["train"], cfg["batch_size"], cfg["block_size"],
+                             batch_generator(cfg["seed"], iter_num, rank * accum + micro), device)
+            sync = contextlib.nullcontext() if (not ddp or micro == accum - 1) else model.no_sync()
+            with sync:
+                with autocast:
+                    _, loss = model(X, Y)
+                    loss = loss / accum
+                scaler.scale(loss).backward()
+        if cfg["grad_clip"] > 0:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+        t_now = time.time()
+        dt, t_last = t_now - t_last, t_now
+        train_time += dt
+        iters_since += 1
+        if iter_num % cfg["log_interval"] == 0 and master:
+            lossf = loss.item() * accum  # .item() syncs with the GPU, so only every log_interval
+            print(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, lr {lr:.2e}, "
+                  f"{tokens_per_iter / dt:,.0f} tok/s")
+        iter_num += 1
+
+    if ddp:
+        dist.destroy_process_group()
+    return best_val_loss
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
