@@ -58,8 +58,9 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        inv = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)
-        x_hat = (x.float() * inv).type_as(x)
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # statistics in fp32 (or fp64) at least
+        inv = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+        x_hat = (xf * inv).type_as(x)
         ctx.save_for_backward(x_hat, weight, inv)
         return x_hat * weight
 
@@ -84,18 +85,28 @@ class RMSNorm(nn.Module):
 
 
 def rope_table(head_dim, max_len, base=10000.0):
-    """Rotary position embedding as complex rotations e^{i t theta_j}: [max_len, head_dim/2] complex64."""
+    """Rotary position embedding: (cos, sin) of t * theta_j as a [max_len, head_dim/2, 2] table."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
-    return torch.polar(torch.ones_like(angles), angles)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
 
-def apply_rope(x, rot):
-    """Rotate consecutive feature pairs of x [B, T, ..., hd] by rot [T, hd/2] (the tokens' own
-    positions). One complex multiply: several times cheaper than the cos/sin/cat form on CPU."""
-    z = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    rot = rot.view(rot.shape[0], *([1] * (x.dim() - 3)), rot.shape[-1])
-    return torch.view_as_real(z * rot).flatten(-2).type_as(x)
+def apply_rope(x, rope):
+    """Rotate consecutive feature pairs of x [B, T, ..., hd] by rope [T, hd/2, 2], the table rows
+    of the tokens' own positions. Eager: one complex multiply, several times cheaper on CPU than
+    the real form. Compiled: the real form, because inductor has no code generation for complex ops."""
+    rope = rope.view(rope.shape[0], *([1] * (x.dim() - 3)), *rope.shape[1:])
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+    if torch.compiler.is_compiling():
+        out = _rotate_real(pairs, rope)
+    else:
+        out = torch.view_as_real(torch.view_as_complex(pairs) * torch.view_as_complex(rope))
+    return out.flatten(-2).type_as(x)
+
+
+def _rotate_real(pairs, rope):
+    (a, b), (cos, sin) = pairs.unbind(-1), rope.unbind(-1)
+    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1)
 
 
 class CausalSelfAttention(nn.Module):

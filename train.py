@@ -125,7 +125,7 @@ def save_checkpoint(obj, path):
 
 def load_checkpoint(path, device):
     if not os.path.exists(path):
-        raise ConfigError(f"init_from='resume' but there is no checkpoint at {path}; start with --init_from=scratch")
+        raise ConfigError(f"no checkpoint at {path}: check --out_dir (or train with --init_from=scratch)")
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
         ckpt["model"], ckpt["model_args"], ckpt["iter_num"]
