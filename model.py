@@ -10,6 +10,7 @@ chosen residual mode. See SPEC.md-derived notes in README.md for the equations.
 import inspect
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -24,7 +25,9 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
     dropout: float = 0.0
-    residual: str = "prenorm"
+    residual: str = "prenorm"  # prenorm | sandwich | nag | attnres | block_attnres
+    attnres_blocks: Optional[int] = None  # block_attnres: number of blocks N; None: min(8, 2L)
+    nag_channels: int = 32  # nag: channels C of each sublayer's modulator
 
     def __post_init__(self):
         # one-line errors that name the fix; called again by GPT() after any field edits
@@ -37,6 +40,12 @@ class GPTConfig:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if (self.n_embd // self.n_head) % 2 != 0:
             raise ValueError(f"head size n_embd/n_head = {self.n_embd // self.n_head} must be even for RoPE")
+        if self.attnres_blocks is not None and not (
+                isinstance(self.attnres_blocks, int) and 1 <= self.attnres_blocks <= self.n_sublayers):
+            raise ValueError(f"attnres_blocks must be an integer in [1, 2 * n_layer = {self.n_sublayers}] "
+                             f"(or None for min(8, 2L)), got {self.attnres_blocks!r}")
+        if self.nag_channels < 1:
+            raise ValueError(f"nag_channels must be >= 1, got {self.nag_channels}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
@@ -143,14 +152,16 @@ class MLP(nn.Module):
 # -----------------------------------------------------------------------------
 # residual modes: the only place where the modes differ.
 # Each is a module holding the mode's own parameters, with four methods:
-#   embed(e)              -> state       the stream built from the token embedding
-#   read(state, l)        -> tensor      what sublayer l (0-based here) takes as input
-#   write(state, l, out)  -> state       how sublayer l's output goes back into the stream
+#   embed(e)              -> state    the stream built from the token embedding
+#   read(state, l)        -> tensor   what sublayer l (0-based here) takes as input
+#   write(state, l, out)  -> state    how sublayer l's output goes back into the stream
 #   head(state, lm_head)  -> logits
-# plus rms(state) -> per-token RMS of the stream (diagnostics).
+# and, for diagnostics, value(state, l) -> the stream as sublayer l sees it (l = 2L: as the head
+# sees it), plus stats(state, l) -> mode-specific figures.
 
 class PreNorm(nn.Module):
     """nanoGPT's baseline: x = x + f(RMSNorm(x)); the head reads RMSNorm(x)."""
+    embed_std = 0.02
 
     def __init__(self, config):
         super().__init__()
@@ -169,13 +180,177 @@ class PreNorm(nn.Module):
     def head(self, x, lm_head):
         return lm_head(self.norm_f(x))
 
-    def rms(self, x):
-        return x.float().pow(2).mean(-1).sqrt()
+    def value(self, x, l):
+        return x
+
+    def stats(self, x, l):
+        return {}
+
+
+class Sandwich(PreNorm):
+    """peri-LN: the embedding and every sublayer output are normalised too:
+    x0 = RMSNorm(e); x = x + RMSNorm_post(f(RMSNorm_pre(x)))."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.norm_embed = RMSNorm(config.n_embd)
+        self.post_norms = nn.ModuleList(RMSNorm(config.n_embd) for _ in range(config.n_sublayers))
+
+    def embed(self, e):
+        return self.norm_embed(e)
+
+    def write(self, x, l, out):
+        return x + self.post_norms[l](out)
+
+
+def nag_update(r, u, a, eps=1e-6):
+    """The NAG write-back of a sublayer output u into the direction r (unit RMS) with tangent a.
+    Returns the new direction and the log-gain 0.5 * log(1 + a^2) that the log-norm s gains."""
+    rf, uf, af = r.float(), u.float(), a.float()
+    uf = uf - uf.mean(-1, keepdim=True)  # 1. centre
+    uf = uf - (uf * rf).sum(-1, keepdim=True) / (rf * rf).sum(-1, keepdim=True) * rf  # 2. orthogonal to r
+    v = uf * torch.rsqrt(uf.square().mean(-1, keepdim=True) + eps)  # 3. unit RMS
+    r_new = (rf + af * v) * torch.rsqrt(1 + af * af)  # 6. rotate by arctan(a) ...
+    r_new = r_new * torch.rsqrt(r_new.square().mean(-1, keepdim=True))  # ... and stop drift in low precision
+    return r_new.type_as(r), 0.5 * torch.log1p(af * af)  # 7. log-gain
+
+
+class Modulator(nn.Module):
+    """m(r) = (sum_i softmax(c)_i sigmoid(<r, w_i> + b_i)) ** beta, in [0, 1]: how far a sublayer may
+    rotate each token."""
+
+    def __init__(self, dim, channels):
+        super().__init__()
+        self.proj = nn.Linear(dim, channels)  # weight ~ N(0, 0.02) by the GPT init
+        nn.init.zeros_(self.proj.bias)
+        self.mix = nn.Parameter(torch.zeros(channels))  # c
+        self.beta_raw = nn.Parameter(torch.tensor(math.log(math.e - 1)))  # softplus(beta_raw) = 1
+
+    def forward(self, r):
+        p = torch.sigmoid(self.proj(r).float()) @ torch.softmax(self.mix.float(), dim=0)
+        return p.unsqueeze(-1) ** F.softplus(self.beta_raw.float())
+
+
+class NAG(nn.Module):
+    """Norm-agnostic residual: the stream is a unit-RMS direction r and a log-norm s per token
+    (x = e^s r). Sublayers only rotate r, by arctan(a) with a = alpha_l m_l(r); s only grows."""
+    embed_std = 1.0  # so e^s starts near 1; with 0.02 the logits would start 50x too small
+
+    def __init__(self, config):
+        super().__init__()
+        n, d = config.n_sublayers, config.n_embd
+        self.alpha = nn.Parameter(torch.tensor([1 / math.sqrt(l) for l in range(1, n + 1)]))
+        self.modulators = nn.ModuleList(Modulator(d, config.nag_channels) for _ in range(n))
+        self.g_enc = nn.Parameter(torch.zeros(()))
+        self.g_dec = nn.Parameter(torch.zeros(()))
+
+    def embed(self, e):
+        e = e.float() - e.float().mean(-1, keepdim=True)  # mean-centred rows
+        rms = e.square().mean(-1, keepdim=True).sqrt()
+        return e / rms, torch.log(rms) + self.g_enc
+
+    def read(self, state, l):
+        return state[0]
+
+    def tangent(self, r, l):
+        return self.alpha[l] * self.modulators[l](r)
+
+    def write(self, state, l, out):
+        r, s = state
+        r, log_gain = nag_update(r, out, self.tangent(r, l))
+        return r, s + log_gain
+
+    def head(self, state, lm_head):
+        r, s = state
+        w = lm_head.weight
+        w = w - w.mean(-1, keepdim=True)
+        w = w * torch.rsqrt(w.square().mean(-1, keepdim=True) + 1e-6)  # unit-RMS rows, not in place
+        return torch.exp(s + self.g_dec) * F.linear(r, w) / math.sqrt(r.size(-1))
+
+    def value(self, state, l):
+        r, s = state
+        return torch.exp(s) * r
+
+    def stats(self, state, l):
+        if l >= len(self.modulators):
+            return {}
+        m = self.modulators[l](state[0])
+        a = self.alpha[l] * m
+        return {"alpha": self.alpha[l].item(), "m": m.mean().item(), "angle": torch.atan(a).mean().item()}
+
+
+def depth_attention(sources, query, norm_weight, eps=1e-6):
+    """sum_i softmax_i(<query, RMSNorm(sources_i)>) sources_i, a softmax over depth per token.
+    sources [S, ..., d]. <q, w * v / rms(v)> = <q * w, v> / rms(v): no normalised copy is made.
+    Returns the mix and the weights [S, ...]."""
+    scores = (sources @ (query * norm_weight).to(sources.dtype)).float()
+    scores = scores * torch.rsqrt(sources.float().square().mean(-1) + eps)
+    weights = torch.softmax(scores, dim=0)
+    # a broadcast multiply and a sum over depth: far cheaper on CPU than einsum's tiny batched matmuls
+    return (weights.unsqueeze(-1).to(sources.dtype) * sources).sum(0), weights
+
+
+class BlockAttnRes(nn.Module):
+    """Attention Residuals over blocks: sublayers are grouped into blocks of S consecutive ones;
+    a block's summary b_n is the sum of its sublayers' raw outputs and b_0 is the embedding.
+    Sublayer l reads a softmax-over-depth mix of the finished blocks and the running partial sum
+    of its own block, through its own pre-norm. One block per sublayer is full AttnRes."""
+    embed_std = 0.02
+
+    def __init__(self, config):
+        super().__init__()
+        n, d = config.n_sublayers, config.n_embd
+        blocks = n if config.residual == "attnres" else (config.attnres_blocks or min(8, n))
+        self.block_size = -(-n // blocks)
+        # a pseudo-query (init 0: a uniform average) and key norm for sublayers 1..2L-1 and the head
+        # (index l-1); sublayer 0 has only the embedding to read, so nothing to learn there
+        self.queries = nn.ParameterList(nn.Parameter(torch.zeros(d)) for _ in range(n))
+        self.key_norms = nn.ModuleList(RMSNorm(d) for _ in range(n))
+        self.norms = nn.ModuleList(RMSNorm(d) for _ in range(n))
+        self.norm_f = RMSNorm(d)
+
+    def embed(self, e):
+        return [e], None  # finished blocks, partial sum of the current block
+
+    def sources(self, state):
+        blocks, partial = state
+        return blocks if partial is None else blocks + [partial]
+
+    def mix(self, state, l):
+        srcs = self.sources(state)
+        if l == 0:
+            return srcs[0], None
+        return depth_attention(torch.stack(srcs), self.queries[l - 1], self.key_norms[l - 1].weight)
+
+    def read(self, state, l):
+        return self.norms[l](self.mix(state, l)[0])
+
+    def write(self, state, l, out):
+        blocks, partial = state
+        partial = out if partial is None else partial + out
+        if (l + 1) % self.block_size == 0 or l + 1 == len(self.norms):
+            return blocks + [partial], None
+        return blocks, partial
+
+    def head(self, state, lm_head):
+        return lm_head(self.norm_f(self.mix(state, len(self.norms))[0]))
+
+    def value(self, state, l):
+        return self.mix(state, l)[0]
+
+    def stats(self, state, l):
+        weights = self.mix(state, l)[1]
+        return {} if weights is None else {"depth_weights": weights.float().flatten(1).mean(1).tolist()}
 
 
 RESIDUALS = {
     "prenorm": PreNorm,
+    "sandwich": Sandwich,
+    "nag": NAG,
+    "attnres": BlockAttnRes,
+    "block_attnres": BlockAttnRes,
 }
+
 
 
 # -----------------------------------------------------------------------------
@@ -204,8 +379,10 @@ class GPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(config.n_sublayers))
 
     def _init_weights(self, module):
-        if isinstance(module, (nn.Linear, nn.Embedding)):
+        if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=self.stream.embed_std)
 
     def get_num_params(self, non_embedding=True):
         """Parameter count. The token embedding is a lookup (no FLOPs), so non_embedding leaves
@@ -232,6 +409,30 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
                                    ignore_index=-1)
         return logits, loss
+
+    @torch.no_grad()
+    def diagnostics(self, idx):
+        """Per sublayer l: the RMS of the stream entering it (nag: e^s), the relative size of its update
+        ||x_{l+1} - x_l|| / ||x_l||, and the mode's own figures (nag: alpha, mean m, mean rotation angle;
+        attnres: depth weights over its sources, averaged over tokens). For attnres the "stream" is the
+        depth mix a sublayer reads."""
+        T = idx.size(1)
+        rope = self.rope[:T]
+        state = self.stream.embed(self.wte(idx))
+        rows = []
+        for l, f in enumerate(self.sublayers):
+            x_in = self.stream.value(state, l).float()
+            row = {"sublayer": l + 1, "kind": "attn" if l % 2 == 0 else "mlp",
+                   "rms": x_in.square().mean().sqrt().item()}
+            row.update(self.stream.stats(state, l))
+            state = self.stream.write(state, l, f(self.stream.read(state, l), rope))
+            x_out = self.stream.value(state, l + 1).float()
+            row["update"] = ((x_out - x_in).norm(dim=-1) / x_in.norm(dim=-1)).mean().item()
+            rows.append(row)
+        head = self.stream.value(state, len(self.sublayers)).float()
+        rows.append({"sublayer": len(self.sublayers) + 1, "kind": "head", "rms": head.square().mean().sqrt().item(),
+                     **self.stream.stats(state, len(self.sublayers))})
+        return rows
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         # weight decay on matrices and embeddings (>= 2-D); none on norms, gains and scalars
@@ -266,6 +467,6 @@ class GPT(nn.Module):
 
 def _last_position(state):
     """Keep only the last token of every tensor in a stream state (a tensor or a tuple/list of them)."""
-    if torch.is_tensor(state):
-        return state[:, [-1]]
+    if state is None or torch.is_tensor(state):
+        return state if state is None else state[:, [-1]]
     return type(state)(_last_position(s) for s in state)
