@@ -40,6 +40,7 @@ DEFAULTS = dict(
     eval_only=False,
     always_save_checkpoint=True,
     init_from="scratch",  # 'scratch' or 'resume'
+    diagnose=False,  # log model.diagnostics() of a fixed val batch with every eval (plot with plot.py)
     # data
     dataset="openwebtext",
     data_dir=os.path.join(REPO, "data"),
@@ -194,10 +195,11 @@ def main(argv):
 
     # --- data and model
     paths, vocab_size = find_data(cfg, master)
-    n_val = os.path.getsize(paths["val"]) // 2
-    if cfg["block_size"] >= n_val:
-        raise ConfigError(f"block_size {cfg['block_size']} does not fit the val split of "
-                          f"{cfg['dataset']} ({n_val} tokens); lower --block_size")
+    for split in ("train", "val"):  # a batch needs block_size + 1 consecutive tokens
+        n_tokens = os.path.getsize(paths[split]) // 2
+        if cfg["block_size"] >= n_tokens:
+            raise ConfigError(f"block_size {cfg['block_size']} does not fit the {split} split of "
+                              f"{cfg['dataset']} ({n_tokens} tokens); lower --block_size")
     os.makedirs(cfg["out_dir"], exist_ok=True)
     ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
     log_path = os.path.join(cfg["out_dir"], "log.jsonl")
@@ -215,6 +217,11 @@ def main(argv):
         if os.path.exists(log_path):
             os.replace(log_path, os.path.join(cfg["out_dir"], "log_prev.jsonl"))
         print(f"{ckpt_path} existed: moved it to ckpt_prev.pt (use --init_from=resume to continue it)")
+    elif master and os.path.exists(log_path):
+        # a log without a checkpoint: a run that stopped before its first save, or eval_only; this run
+        # starts a new log instead of appending to it (there is nothing to resume it from)
+        os.remove(log_path)
+        print(f"{log_path} existed without a checkpoint: removed it")
     try:
         gptconf = GPTConfig(vocab_size=vocab_size, **{k: cfg[k] for k in MODEL_KEYS})
     except ValueError as e:
@@ -305,6 +312,12 @@ def main(argv):
                           "train_loss": round(losses["train"], 6), "val_loss": round(losses["val"], 6),
                           "lr": lr, "ms_per_iter": round(ms, 2),
                           "tokens_per_s": round(tokens_per_iter / (ms / 1000), 1) if iters_since else None}
+                if cfg["diagnose"]:
+                    X, _ = get_batch(paths["val"], cfg["batch_size"], cfg["block_size"],
+                                     torch.Generator().manual_seed(EVAL_SEED), device)
+                    with autocast:
+                        record["diagnostics"] = raw_model.diagnostics(X)
+                    record["residual"] = cfg["residual"]
                 print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
                 with open(log_path, "a") as f:
                     f.write(json.dumps(record) + "\n")

@@ -1,0 +1,107 @@
+"""plot.py on hand-written log.jsonl files: each subcommand writes a PNG of the data in the log."""
+import json
+
+import numpy as np
+import pytest
+
+import plot
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+# two layers = four sublayers + the head, as train.py --diagnose=True logs them
+NAG = [{"sublayer": 1, "kind": "attn", "rms": 1.0, "alpha": 0.9, "m": 0.5, "angle": 0.4, "update": 0.5},
+       {"sublayer": 2, "kind": "mlp", "rms": 1.5, "alpha": 0.7, "m": 0.5, "angle": 0.3, "update": 0.4},
+       {"sublayer": 3, "kind": "attn", "rms": 2.0, "alpha": 0.6, "m": 0.5, "angle": 0.2, "update": 0.3},
+       {"sublayer": 4, "kind": "mlp", "rms": 3.0, "alpha": 0.5, "m": 0.5, "angle": 0.2, "update": 0.2},
+       {"sublayer": 5, "kind": "head", "rms": 4.0}]
+ATTNRES = [{"sublayer": 1, "kind": "attn", "rms": 0.02, "update": 0.9},
+           {"sublayer": 2, "kind": "mlp", "rms": 0.01, "depth_weights": [0.6, 0.4], "update": 1.3},
+           {"sublayer": 3, "kind": "attn", "rms": 0.03, "depth_weights": [0.2, 0.3, 0.5], "update": 0.3},
+           {"sublayer": 4, "kind": "mlp", "rms": 0.04, "depth_weights": [0.1, 0.2, 0.3, 0.4], "update": 0.8},
+           {"sublayer": 5, "kind": "head", "rms": 0.05, "depth_weights": [0.3, 0.1, 0.2, 0.2, 0.2]}]
+PRENORM = [{"sublayer": l, "kind": k, "rms": 0.1 * l, "update": 0.5} for l, k in
+           [(1, "attn"), (2, "mlp"), (3, "attn"), (4, "mlp")]] + [{"sublayer": 5, "kind": "head", "rms": 0.6}]
+
+
+def scaled(rows, f):
+    """rows with rms scaled by f: an earlier eval that --iter must pick instead of the last."""
+    return [{**r, "rms": r["rms"] * f} for r in rows]
+
+
+def write_run(root, name, residual, diagnostics):
+    """An out_dir whose log has evals at iters 0, 10, 20: the first without diagnostics (diagnose was
+    off then), the others with; the last record has the diagnostics given."""
+    d = root / name
+    d.mkdir()
+    records = [{"iter": 0, "train_loss": 4.2, "val_loss": 4.3, "lr": 0.0},
+               {"iter": 10, "train_loss": 3.1, "val_loss": 3.2, "lr": 1e-4,
+                "diagnostics": scaled(diagnostics, 10), "residual": residual},
+               {"iter": 20, "train_loss": 2.5, "val_loss": 2.7, "lr": 2e-4,
+                "diagnostics": diagnostics, "residual": residual}]
+    (d / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(d)
+
+
+@pytest.fixture
+def runs(tmp_path):
+    return {name: write_run(tmp_path, name, name, rows)
+            for name, rows in [("nag", NAG), ("attnres", ATTNRES), ("prenorm", PRENORM)]}
+
+
+def assert_png(path):
+    data = path.read_bytes()
+    assert len(data) > len(PNG_MAGIC) and data.startswith(PNG_MAGIC)
+
+
+def test_depth(runs, tmp_path, capsys):
+    out = tmp_path / "depth.png"
+    fig = plot.main(["depth", runs["nag"], runs["attnres"], f"--out={out}"])
+    assert_png(out)
+    assert capsys.readouterr().out.strip() == str(out)
+    ax_rms, ax_upd = fig.axes
+    assert ax_rms.get_yscale() == "log"
+    assert [l.get_label() for l in ax_upd.lines] == ["nag, 4 sublayers", "attnres, 4 sublayers"]
+    for line, rows in zip(ax_rms.lines, [NAG, ATTNRES]):  # RMS includes the head's row
+        assert list(line.get_xdata()) == [1, 2, 3, 4, 5]
+        assert list(line.get_ydata()) == [r["rms"] for r in rows]
+    for line, rows in zip(ax_upd.lines, [NAG, ATTNRES]):  # the head makes no update
+        assert list(line.get_xdata()) == [1, 2, 3, 4]
+        assert list(line.get_ydata()) == [r["update"] for r in rows[:4]]
+
+    fig = plot.main(["depth", runs["nag"], "--iter=10", f"--out={out}"])
+    assert list(fig.axes[0].lines[0].get_ydata()) == [r["rms"] for r in scaled(NAG, 10)]
+    with pytest.raises(SystemExit, match="no diagnostics at iter 0"):
+        plot.main(["depth", runs["nag"], "--iter=0", f"--out={out}"])
+
+
+def test_weights(runs, tmp_path):
+    out = tmp_path / "weights.png"
+    fig = plot.main(["weights", runs["attnres"], f"--out={out}"])
+    assert_png(out)
+    assert len(fig.axes) == 2  # the heat-map and its colorbar
+    got = np.ma.filled(fig.axes[0].images[0].get_array().astype(float), np.nan)
+    want = np.full((5, 5), np.nan)  # rows: sublayers 1..4 and the head; NaN: not a source of that row
+    for i, r in enumerate(ATTNRES):
+        want[i, :len(r.get("depth_weights", []))] = r.get("depth_weights", [])
+    np.testing.assert_array_equal(got, want)
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()][-1] == "5 head"
+
+
+def test_weights_errors(runs, tmp_path):
+    out = tmp_path / "weights.png"
+    with pytest.raises(SystemExit, match="error: .*no depth weights.*prenorm"):
+        plot.main(["weights", runs["prenorm"], f"--out={out}"])
+    with pytest.raises(SystemExit, match="error: no log at"):
+        plot.main(["weights", str(tmp_path / "missing"), f"--out={out}"])
+    assert not out.exists()
+
+
+def test_loss(runs, tmp_path):
+    out = tmp_path / "loss.png"
+    fig = plot.main(["loss", runs["nag"], runs["prenorm"], f"--out={out}"])
+    assert_png(out)
+    val, train = fig.axes[0].lines[:2]
+    assert list(val.get_xdata()) == [0, 10, 20] and list(val.get_ydata()) == [4.3, 3.2, 2.7]
+    assert list(train.get_ydata()) == [4.2, 3.1, 2.5] and train.get_linestyle() == "--"
+    assert val.get_color() == train.get_color()
+    assert len(fig.axes[0].lines) == 4  # val and train for each of the two runs
