@@ -4,6 +4,7 @@ Plot nanodepth runs from the log.jsonl that train.py appends to in each out_dir.
     python plot.py depth out-nag out-prenorm [--iter=N] [--out=depth.png]   # RMS and update size vs depth
     python plot.py weights out-attnres [--iter=N] [--out=weights.png]       # AttnRes depth-attention heat-map
     python plot.py loss out-nag out-prenorm [--out=loss.png]                # val (solid) and train (dashed) loss
+    python plot.py table out-nag out-prenorm                                # Markdown table of the runs
 
 depth and weights read the diagnostics that train.py logs only with --diagnose=True.
 """
@@ -125,18 +126,42 @@ def plot_loss(out_dirs):
     return fig
 
 
+def table(out_dirs):
+    """Markdown: per run, the final and best val loss, the stream growth with depth (RMS the head
+    reads / RMS entering sublayer 1) and the mean step time."""
+    lines = ["| run | residual | sublayers | final val | best val | RMS head / RMS sublayer 1 | ms/iter |",
+             "|---|---|---|---|---|---|---|"]
+    for d in out_dirs:
+        recs = load_log(d)
+        rows = pick(recs, d)["diagnostics"]
+        ms = [r["ms_per_iter"] for r in recs if r.get("tokens_per_s")]
+        lines.append(f"| {os.path.basename(os.path.normpath(d))} | {recs[-1].get('residual', '?')} | {len(rows) - 1} "
+                     f"| {recs[-1]['val_loss']:.4f} | {min(r['val_loss'] for r in recs):.4f} "
+                     f"| {rows[-1]['rms'] / rows[0]['rms']:.2f} | {sum(ms) / max(len(ms), 1):.1f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     """Parse argv, draw, write the PNG, print its path; returns the Figure (the tests read its data)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     for cmd, help in [("depth", "residual RMS and relative update size vs sublayer"),
-                      ("weights", "AttnRes depth-attention heat-map of one run"), ("loss", "val and train loss vs iter")]:
+                      ("weights", "AttnRes depth-attention heat-map of one run"), ("loss", "val and train loss vs iter"),
+                      ("table", "Markdown table: val loss, stream growth with depth, ms/iter")]:
         p = sub.add_parser(cmd, help=help)
         p.add_argument("out_dirs", nargs=1 if cmd == "weights" else "+", metavar="OUT_DIR")
-        if cmd != "loss":
+        if cmd in ("depth", "weights"):
             p.add_argument("--iter", type=int, help="the eval at this iter (default: the last with diagnostics)")
-        p.add_argument("--out", default=f"{cmd}.png")
+        p.add_argument("--out", default=f"{cmd}.png" if cmd != "table" else None)
     args = parser.parse_args(argv)
+
+    if args.cmd == "table":
+        text = table(args.out_dirs)
+        print(text)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
+        return text
 
     if args.cmd == "depth":
         fig = plot_depth(args.out_dirs, args.iter)

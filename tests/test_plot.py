@@ -105,3 +105,14 @@ def test_loss(runs, tmp_path):
     assert list(train.get_ydata()) == [4.2, 3.1, 2.5] and train.get_linestyle() == "--"
     assert val.get_color() == train.get_color()
     assert len(fig.axes[0].lines) == 4  # val and train for each of the two runs
+
+
+def test_table(runs, tmp_path):
+    out = tmp_path / "table.md"
+    text = plot.main(["table", runs["nag"], runs["prenorm"], f"--out={out}"])
+    assert out.read_text().strip() == text
+    rows = [line.split("|")[1:-1] for line in text.splitlines()[2:]]
+    nag, prenorm = ([c.strip() for c in row] for row in rows)
+    # final and best val from the log; stream growth = head RMS / first sublayer RMS of the last eval
+    assert nag[:6] == ["nag", "nag", "4", "2.7000", "2.7000", "4.00"]
+    assert prenorm[5] == f"{0.6 / 0.1:.2f}"
