@@ -61,13 +61,18 @@ class GPTConfig:
 # -----------------------------------------------------------------------------
 # building blocks
 
+def upcast(x):
+    """x in fp32 at least: the precision for statistics and gains (fp64 stays fp64, for tests)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class RMSNormFunction(torch.autograd.Function):
     """y = x / rms(x) * w with a hand-written backward: about 3x fewer elementwise passes than
     autograd through F.rms_norm, which matters on CPU where small models are op-bound."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # statistics in fp32 (or fp64) at least
+        xf = upcast(x)
         inv = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
         x_hat = (xf * inv).type_as(x)
         ctx.save_for_backward(x_hat, weight, inv)
@@ -206,7 +211,7 @@ class Sandwich(PreNorm):
 def nag_update(r, u, a, eps=1e-6):
     """The NAG write-back of a sublayer output u into the direction r (unit RMS) with tangent a.
     Returns the new direction and the log-gain 0.5 * log(1 + a^2) that the log-norm s gains."""
-    rf, uf, af = r.float(), u.float(), a.float()
+    rf, uf, af = upcast(r), upcast(u), upcast(a)
     uf = uf - uf.mean(-1, keepdim=True)  # 1. centre
     uf = uf - (uf * rf).sum(-1, keepdim=True) / (rf * rf).sum(-1, keepdim=True) * rf  # 2. orthogonal to r
     v = uf * torch.rsqrt(uf.square().mean(-1, keepdim=True) + eps)  # 3. unit RMS
@@ -227,8 +232,8 @@ class Modulator(nn.Module):
         self.beta_raw = nn.Parameter(torch.tensor(math.log(math.e - 1)))  # softplus(beta_raw) = 1
 
     def forward(self, r):
-        p = torch.sigmoid(self.proj(r).float()) @ torch.softmax(self.mix.float(), dim=0)
-        return p.unsqueeze(-1) ** F.softplus(self.beta_raw.float())
+        p = torch.sigmoid(upcast(self.proj(r))) @ torch.softmax(upcast(self.mix), dim=0)
+        return p.unsqueeze(-1) ** F.softplus(upcast(self.beta_raw))
 
 
 class NAG(nn.Module):
@@ -245,7 +250,8 @@ class NAG(nn.Module):
         self.g_dec = nn.Parameter(torch.zeros(()))
 
     def embed(self, e):
-        e = e.float() - e.float().mean(-1, keepdim=True)  # mean-centred rows
+        e = upcast(e)
+        e = e - e.mean(-1, keepdim=True)  # mean-centred rows
         rms = e.square().mean(-1, keepdim=True).sqrt()
         return e / rms, torch.log(rms) + self.g_enc
 
@@ -283,8 +289,8 @@ def depth_attention(sources, query, norm_weight, eps=1e-6):
     """sum_i softmax_i(<query, RMSNorm(sources_i)>) sources_i, a softmax over depth per token.
     sources [S, ..., d]. <q, w * v / rms(v)> = <q * w, v> / rms(v): no normalised copy is made.
     Returns the mix and the weights [S, ...]."""
-    scores = (sources @ (query * norm_weight).to(sources.dtype)).float()
-    scores = scores * torch.rsqrt(sources.float().square().mean(-1) + eps)
+    scores = upcast(sources @ (query * norm_weight).to(sources.dtype))
+    scores = scores * torch.rsqrt(upcast(sources).square().mean(-1) + eps)
     weights = torch.softmax(scores, dim=0)
     # a broadcast multiply and a sum over depth: far cheaper on CPU than einsum's tiny batched matmuls
     return (weights.unsqueeze(-1).to(sources.dtype) * sources).sum(0), weights

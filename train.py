@@ -362,7 +362,8 @@ def main(argv):
                   f"{tokens_per_iter / dt:,.0f} tok/s")
         iter_num += 1
 
-    if ddp:
+    if ddp:  # wait for rank 0's last eval and checkpoint: a rank leaving early can abort gloo's teardown
+        dist.barrier()
         dist.destroy_process_group()
     return best_val_loss
 

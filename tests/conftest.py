@@ -1,0 +1,25 @@
+"""Shared fixtures: the repo on sys.path, and shakespeare_char prepared once per session."""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+# read now, before any test's monkeypatch can touch the environment
+SHAKESPEARE_TEXT = Path(os.environ.get("TINY_SHAKESPEARE") or REPO / "data" / "shakespeare_char" / "input.txt")
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """A --data_dir holding shakespeare_char/{train,val}.bin and meta.pkl, prepared from the exact
+    text in $TINY_SHAKESPEARE (else the copy shipped in the repo), never from the network."""
+    if not SHAKESPEARE_TEXT.is_file():
+        pytest.skip(f"no shakespeare text at {SHAKESPEARE_TEXT} (set TINY_SHAKESPEARE)")
+    from data.shakespeare_char.prepare import prepare
+    root = tmp_path_factory.mktemp("data")
+    prepare(out_dir=str(root / "shakespeare_char"), input_path=str(SHAKESPEARE_TEXT))
+    return root

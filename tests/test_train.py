@@ -1,0 +1,389 @@
+"""End-to-end tests of train.py on CPU: tiny models, a few iterations, everything under tmp dirs.
+
+Runs whose command line matters (errors, resume, DDP) are real subprocesses (`python train.py ...`,
+cwd = repo root, OMP_NUM_THREADS=1); a few others call train.main in-process, with one intra-op
+thread and the global RNG restored afterwards.
+"""
+import json
+import math
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import train  # noqa: E402
+from configurator import ConfigError, configure  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+TOL = 1e-5  # fp32 on CPU; log.jsonl rounds losses to 6 decimals
+LOG_KEYS = {"iter", "tokens", "train_loss", "val_loss", "lr", "ms_per_iter", "tokens_per_s"}
+CKPT_KEYS = {"model", "optimizer", "model_args", "iter_num", "best_val_loss", "config", "rng"}
+MODEL_ARGS = ("n_layer", "n_head", "n_embd", "block_size")
+
+
+def tiny_args(data_dir, out_dir, **overrides):
+    """A tiny model on shakespeare_char: 8 iterations, an eval every 2, 2 micro-steps of 4 x 32 tokens."""
+    args = dict(dataset="shakespeare_char", data_dir=data_dir, out_dir=out_dir, device="cpu", dtype="float32",
+                n_layer=2, n_head=2, n_embd=32, block_size=32, dropout=0.0, batch_size=4,
+                gradient_accumulation_steps=2, eval_iters=2, eval_interval=2, log_interval=1,
+                learning_rate=1e-3, warmup_iters=2, max_iters=8, lr_decay_iters=8, min_lr=1e-4, compile=False)
+    args.update(overrides)
+    return [f"--{k}={v}" for k, v in args.items()]
+
+
+def tokens_per_iter(args):
+    get = {a[2:].split("=")[0]: a.split("=", 1)[1] for a in args}
+    return int(get["gradient_accumulation_steps"]) * int(get["batch_size"]) * int(get["block_size"])
+
+
+def run(cmd, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_train(args, **kw):
+    return run([sys.executable, "train.py", *map(str, args)], **kw)
+
+
+def train_ok(args):
+    r = run_train(args)
+    assert r.returncode == 0, f"train.py failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r
+
+
+def assert_one_line_error(r, *needles):
+    """Non-zero exit, exactly one line on stderr, `error: ...` naming every needle, no traceback."""
+    assert r.returncode != 0, r.stdout[-2000:]
+    assert "Traceback" not in r.stdout + r.stderr, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: "), lines[0]
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+def read_log(out_dir):
+    with open(Path(out_dir) / "log.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def load_ckpt(out_dir, name="ckpt.pt"):
+    return torch.load(Path(out_dir) / name, map_location="cpu", weights_only=True)
+
+
+def tiny_dataset(root, n_train, n_val, vocab=65):
+    """A --data_dir whose dataset `tiny` has n_train / n_val random tokens."""
+    d = Path(root) / "tiny"
+    d.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    rng.integers(0, vocab, n_train).astype(np.uint16).tofile(d / "train.bin")
+    rng.integers(0, vocab, n_val).astype(np.uint16).tofile(d / "val.bin")
+    with open(d / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": vocab}, f)
+    return root
+
+
+@pytest.fixture(scope="session")
+def runs(data_dir, tmp_path_factory):
+    """runs(dropout) -> out_dir of a straight 8-iteration tiny run (subprocess), made once per session."""
+    root, cache = tmp_path_factory.mktemp("runs"), {}
+
+    def straight(dropout=0.0):
+        if dropout not in cache:
+            out = root / f"straight_dropout{dropout}"
+            train_ok(tiny_args(data_dir, out, dropout=dropout))
+            cache[dropout] = out
+        return cache[dropout]
+    return straight
+
+
+@pytest.fixture(scope="session")
+def base_run(runs):
+    return runs(0.0)
+
+
+@pytest.fixture
+def in_process():
+    """train.main in this process, with one thread and the caller's RNG state restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small ops on a busy 2-core box are ~100x slower with 2 threads
+    with torch.random.fork_rng():
+        yield train.main
+    torch.set_num_threads(threads)
+
+
+# -----------------------------------------------------------------------------
+# 1. configurator
+
+DEFAULTS = dict(n_layer=12, learning_rate=6e-4, compile=False, residual="prenorm", out_dir="out",
+                lr_decay_iters=None)
+
+
+def test_configure_types():
+    cfg = configure(["--learning_rate=1", "--n_layer=3", "--compile=True", "--residual=nag",
+                     "--out_dir=/tmp/x-y", "--lr_decay_iters=100"], DEFAULTS)
+    assert cfg == dict(n_layer=3, learning_rate=1.0, compile=True, residual="nag", out_dir="/tmp/x-y",
+                       lr_decay_iters=100)
+    assert type(cfg["learning_rate"]) is float  # int -> float is allowed, and converted
+    assert DEFAULTS["n_layer"] == 12  # the defaults are not mutated
+
+
+@pytest.mark.parametrize("arg, key", [
+    ("--n_layer=3.0", "n_layer"),  # float -> int is not
+    ("--n_layer=abc", "n_layer"),
+    ("--n_layer=True", "n_layer"),  # bools are not ints ...
+    ("--compile=1", "compile"),  # ... and ints are not bools
+    ("--learning_rate=True", "learning_rate"),
+    ("--residual=3", "residual"),
+    ("--n_layr=3", "n_layr"),
+])
+def test_configure_rejects(arg, key):
+    with pytest.raises(ConfigError, match=key) as e:
+        configure([arg], DEFAULTS)
+    assert "\n" not in str(e.value)
+
+
+def test_configure_file_then_overrides_in_order(tmp_path):
+    cfg_file = tmp_path / "c.py"
+    cfg_file.write_text("import math\nn_layer = 3\nlearning_rate = 2e-3\n_private = 'ignored'\n"
+                        "def helper():\n    return 1\n")
+    cfg = configure([str(cfg_file), "--n_layer=5"], DEFAULTS)
+    assert (cfg["n_layer"], cfg["learning_rate"]) == (5, 2e-3)
+    cfg = configure(["--n_layer=5", str(cfg_file)], DEFAULTS)  # whatever comes later wins
+    assert (cfg["n_layer"], cfg["learning_rate"]) == (3, 2e-3)
+
+    bad = tmp_path / "bad.py"
+    bad.write_text("n_layr = 3\n")
+    with pytest.raises(ConfigError, match=r"n_layr.*bad\.py"):
+        configure([str(bad)], DEFAULTS)
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        configure([str(tmp_path / "missing.py")], DEFAULTS)
+    with pytest.raises(ConfigError, match="--key=value"):
+        configure(["--n_layer"], DEFAULTS)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "config").glob("*.py")), ids=lambda p: p.name)
+def test_shipped_configs_are_valid(path):
+    cfg = configure([str(path)], train.DEFAULTS)
+    assert set(cfg) == set(train.DEFAULTS)
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--n_layr=3"], ["n_layr", "did you mean n_layer"]),
+    (["--n_layer=abc"], ["n_layer", "int"]),
+    (["--learning_rate=True"], ["learning_rate", "float"]),
+], ids=["unknown-key", "str-for-int", "bool-for-float"])
+def test_cli_config_errors(args, needles):
+    assert_one_line_error(run_train(args), *needles)
+
+
+def test_cli_unknown_key_in_config_file(tmp_path):
+    cfg_file = tmp_path / "my_config.py"
+    cfg_file.write_text("n_layer = 2\nbatch_sise = 8\n")
+    assert_one_line_error(run_train([cfg_file]), "batch_sise", "my_config.py", "did you mean batch_size")
+
+
+# -----------------------------------------------------------------------------
+# 2. bad inputs: one line that names the fix
+
+def test_n_embd_not_divisible_by_n_head(data_dir, tmp_path):
+    r = run_train(tiny_args(data_dir, tmp_path / "out", n_embd=30, n_head=4))
+    assert_one_line_error(r, "n_embd (30)", "divisible by n_head (4)")
+
+
+def test_missing_dataset_names_its_prepare_script(tmp_path):
+    r = run_train(tiny_args(tmp_path, tmp_path / "out", dataset="openwebtext"))
+    assert_one_line_error(r, str(tmp_path / "openwebtext" / "train.bin"), "python data/openwebtext/prepare.py")
+
+
+def test_resume_without_checkpoint(data_dir, tmp_path):
+    r = run_train(tiny_args(data_dir, tmp_path / "out", init_from="resume"))
+    assert_one_line_error(r, "no checkpoint at", str(tmp_path / "out" / "ckpt.pt"), "--init_from=scratch")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_corrupt_checkpoint_is_a_clear_error_and_kept(damage, base_run, data_dir, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(base_run, out)
+    good = (out / "ckpt.pt").read_bytes()
+    bad = good[:len(good) // 2] if damage == "truncated" else np.random.default_rng(0).bytes(4096)
+    (out / "ckpt.pt").write_bytes(bad)
+    before = sorted(os.listdir(out))
+    r = run_train(tiny_args(data_dir, out, init_from="resume", max_iters=10))
+    assert_one_line_error(r, str(out / "ckpt.pt"), "corrupt or truncated", "--init_from=scratch")
+    assert (out / "ckpt.pt").read_bytes() == bad  # neither overwritten nor deleted
+    assert sorted(os.listdir(out)) == before
+
+
+def test_resume_refuses_a_changed_architecture(base_run, data_dir, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(base_run, out)
+    r = run_train(tiny_args(data_dir, out, init_from="resume", n_layer=3, max_iters=10))
+    assert_one_line_error(r, "n_layer=2", "not 3")
+
+
+@pytest.mark.parametrize("n_train, n_val, split", [(1000, 32, "val"), (32, 1000, "train")])
+def test_block_size_larger_than_a_split(n_train, n_val, split, tmp_path):
+    data = tiny_dataset(tmp_path / "data", n_train, n_val)
+    r = run_train(tiny_args(data, tmp_path / "out", dataset="tiny", block_size=32))
+    assert_one_line_error(r, "block_size 32", f"{split} split", f"({min(n_train, n_val)} tokens)", "--block_size")
+
+
+def test_block_size_just_fits(tmp_path, in_process):
+    """block_size + 1 tokens per split is the least that gives one (x, y) pair: it must train."""
+    data = tiny_dataset(tmp_path / "data", 33, 33)
+    in_process(tiny_args(data, tmp_path / "out", dataset="tiny", block_size=32, max_iters=2))
+    assert [r["iter"] for r in read_log(tmp_path / "out")] == [0, 2]
+
+
+# -----------------------------------------------------------------------------
+# 3, 7. checkpoint contents and log.jsonl
+
+def test_log_jsonl(base_run, data_dir):
+    log = read_log(base_run)
+    assert [r["iter"] for r in log] == [0, 2, 4, 6, 8]  # one line per eval, eval_interval=2, max_iters=8
+    tpi = tokens_per_iter(tiny_args(data_dir, base_run))
+    for r in log:
+        assert set(r) == LOG_KEYS
+        assert r["tokens"] == r["iter"] * tpi
+        assert math.isfinite(r["train_loss"]) and math.isfinite(r["val_loss"])
+        if r["iter"] > 0:
+            assert r["ms_per_iter"] > 0
+            assert r["tokens_per_s"] == pytest.approx(tpi / (r["ms_per_iter"] / 1000), rel=1e-2)
+    # the schedule: linear warmup to the peak at warmup_iters=2, cosine down to min_lr at lr_decay_iters=8
+    lrs = [r["lr"] for r in log]
+    assert lrs[0] < lrs[1] == pytest.approx(1e-3)
+    assert all(a > b for a, b in zip(lrs[1:], lrs[2:]))
+    assert lrs[-1] == pytest.approx(1e-4)
+    # an untrained model is near ln(65) and training lowers the loss
+    assert log[0]["val_loss"] == pytest.approx(math.log(65), abs=0.15)
+    assert log[-1]["train_loss"] < log[0]["train_loss"] - 0.02
+    assert log[-1]["val_loss"] < log[0]["val_loss"] - 0.02
+
+
+def _eval_losses(model, data_dir, cfg):
+    """What estimate_loss computes, from the outside: the fixed eval batches of each split."""
+    out = {}
+    for split in ("train", "val"):
+        g = torch.Generator().manual_seed(train.EVAL_SEED)
+        path = str(Path(data_dir) / cfg["dataset"] / f"{split}.bin")
+        losses = []
+        for _ in range(cfg["eval_iters"]):
+            x, y = train.get_batch(path, cfg["batch_size"], cfg["block_size"], g, torch.device("cpu"))
+            losses.append(model(x, y)[1].item())
+        out[split] = sum(losses) / len(losses)
+    return out
+
+
+def test_checkpoint_round_trip(base_run, data_dir, in_process):
+    out = Path(base_run)
+    assert not (out / "ckpt.pt.tmp").exists()  # the atomic write cleaned up after itself
+    ckpt = load_ckpt(out)  # weights_only=True: nothing but tensors and plain containers
+    assert CKPT_KEYS <= set(ckpt)
+    log = read_log(out)
+    assert ckpt["iter_num"] == 8 == log[-1]["iter"]
+    assert ckpt["best_val_loss"] == pytest.approx(min(r["val_loss"] for r in log), abs=1e-6)
+    assert ckpt["config"]["max_iters"] == 8 and ckpt["config"]["out_dir"] == str(out)
+    assert {k: ckpt["model_args"][k] for k in MODEL_ARGS} == dict(n_layer=2, n_head=2, n_embd=32, block_size=32)
+    assert ckpt["model_args"]["vocab_size"] == 65
+    assert len(ckpt["rng"]) == 1 and ckpt["rng"][0]["torch"].dtype == torch.uint8
+
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    model.load_state_dict(ckpt["model"])  # strict: no missing or unexpected keys
+    model.eval()
+    with torch.no_grad():
+        losses = _eval_losses(model, data_dir, ckpt["config"])
+    # the saved weights are exactly the ones that the last eval in log.jsonl measured
+    assert losses["val"] == pytest.approx(log[-1]["val_loss"], abs=2e-6)
+    assert losses["train"] == pytest.approx(log[-1]["train_loss"], abs=2e-6)
+    # and they are trained weights, not the initial ones
+    assert abs(losses["val"] - log[0]["val_loss"]) > 0.02
+
+
+# -----------------------------------------------------------------------------
+# 4. resume == straight run
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_resume_matches_straight_run(dropout, runs, data_dir, tmp_path):
+    straight_dir = runs(dropout)
+    straight = read_log(straight_dir)
+    if dropout:  # dropout really is on, so the RNG state that resume restores matters
+        assert abs(straight[-1]["val_loss"] - read_log(runs(0.0))[-1]["val_loss"]) > 1e-4
+
+    out = tmp_path / "out"
+    train_ok(tiny_args(data_dir, out, dropout=dropout, max_iters=4))  # lr_decay_iters=8: the same schedule
+    assert [r["iter"] for r in read_log(out)] == [0, 2, 4]
+    # the architecture comes from the checkpoint: no model args on the resume command line except dropout
+    resume = [a for a in tiny_args(data_dir, out, dropout=dropout, init_from="resume")
+              if not a.startswith(tuple(f"--{k}=" for k in MODEL_ARGS))]
+    r = train_ok(resume)
+    assert "resuming from" in r.stdout and "iter 4" in r.stdout
+
+    resumed = read_log(out)
+    assert [x["iter"] for x in resumed] == [x["iter"] for x in straight] == [0, 2, 4, 6, 8]
+    for a, b in zip(resumed, straight):
+        assert a["tokens"] == b["tokens"] and a["lr"] == pytest.approx(b["lr"], rel=1e-12)
+        assert abs(a["train_loss"] - b["train_loss"]) <= TOL, (a, b)
+        assert abs(a["val_loss"] - b["val_loss"]) <= TOL, (a, b)
+    w_resumed, w_straight = load_ckpt(out)["model"], load_ckpt(straight_dir)["model"]
+    for k in w_straight:
+        torch.testing.assert_close(w_resumed[k], w_straight[k], rtol=0, atol=1e-6)
+
+
+# -----------------------------------------------------------------------------
+# 5. DDP
+
+def test_ddp_matches_single_process(base_run, data_dir, tmp_path):
+    """2 gloo processes x 1 micro-step == 1 process x 2 micro-steps: the same global batch, so the
+    same losses up to the order of the gradient sum (tolerance TOL = 1e-5)."""
+    out = tmp_path / "ddp"
+    args = tiny_args(data_dir, out)  # gradient_accumulation_steps=2, as in base_run
+    r = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+             "train.py", *args])
+    assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    assert "2 process(es) x 1 micro-steps" in r.stdout
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"]  # written by rank 0 alone
+    ddp, single = read_log(out), read_log(base_run)
+    assert [x["iter"] for x in ddp] == [x["iter"] for x in single] == [0, 2, 4, 6, 8]
+    for a, b in zip(ddp, single):
+        assert a["tokens"] == b["tokens"] == a["iter"] * tokens_per_iter(args)
+        assert abs(a["train_loss"] - b["train_loss"]) <= TOL, (a, b)
+        assert abs(a["val_loss"] - b["val_loss"]) <= TOL, (a, b)
+    ckpt = load_ckpt(out)
+    assert len(ckpt["rng"]) == 2  # one RNG state per rank, so that a DDP resume restores each
+    assert not torch.equal(ckpt["rng"][0]["torch"], ckpt["rng"][1]["torch"])
+    w_single = load_ckpt(base_run)["model"]
+    for k in w_single:
+        torch.testing.assert_close(ckpt["model"][k], w_single[k], rtol=0, atol=1e-5)
+
+
+# -----------------------------------------------------------------------------
+# 6. a fresh start keeps the previous run
+
+def test_scratch_run_keeps_previous_checkpoint(base_run, data_dir, tmp_path, in_process):
+    out = tmp_path / "out"
+    shutil.copytree(base_run, out)
+    old_ckpt, old_log = (out / "ckpt.pt").read_bytes(), (out / "log.jsonl").read_text()
+    in_process(tiny_args(data_dir, out, max_iters=2, gradient_accumulation_steps=1))
+    assert (out / "ckpt_prev.pt").read_bytes() == old_ckpt
+    assert (out / "log_prev.jsonl").read_text() == old_log
+    assert [r["iter"] for r in read_log(out)] == [0, 2]  # a new log, not appended to the old one
+    assert load_ckpt(out)["iter_num"] == 2
+
+
+def test_scratch_run_starts_a_new_log(data_dir, tmp_path, in_process):
+    """An out_dir whose earlier run logged but never checkpointed (it stopped before its second eval)."""
+    out = tmp_path / "out"
+    in_process(tiny_args(data_dir, out, eval_only=True))
+    assert [r["iter"] for r in read_log(out)] == [0] and not (out / "ckpt.pt").exists()
+    in_process(tiny_args(data_dir, out, max_iters=2))
+    assert [r["iter"] for r in read_log(out)] == [0, 2]
