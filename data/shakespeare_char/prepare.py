@@ -162,13 +162,14 @@ def prepare(out_dir=None, input_path=None):
             "corpus": corpus, "source": source, "out_dir": str(out_dir)}
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(prepare_fn, description):
+    """The command line of this script and of data/shakespeare/prepare.py."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", help="local copy of tiny shakespeare's input.txt (else $TINY_SHAKESPEARE)")
     parser.add_argument("--out_dir", help="where to write train.bin, val.bin, meta.pkl (default: this folder)")
     args = parser.parse_args()
     try:
-        stats = prepare(out_dir=args.out_dir, input_path=args.input)
+        stats = prepare_fn(out_dir=args.out_dir, input_path=args.input)
     except (RuntimeError, OSError) as e:
         sys.exit(f"error: {e}")
     print(f"corpus: {stats['corpus']} (from {stats['source']})")
@@ -177,3 +178,7 @@ if __name__ == "__main__":
     print(f"train has {stats['n_train']:,} tokens")
     print(f"val has {stats['n_val']:,} tokens")
     print(f"wrote train.bin, val.bin, meta.pkl to {stats['out_dir']}")
+
+
+if __name__ == "__main__":
+    main(prepare, __doc__)
