@@ -16,6 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels import IMPLS, depth_attention, depth_scores, nag_update, rms_norm, upcast
+
 
 @dataclass
 class GPTConfig:
@@ -28,6 +30,7 @@ class GPTConfig:
     residual: str = "prenorm"  # prenorm | sandwich | nag | attnres | block_attnres
     attnres_blocks: Optional[int] = None  # block_attnres: number of blocks N; None: min(8, 2L)
     nag_channels: int = 32  # nag: channels C of each sublayer's modulator
+    kernels: str = "auto"  # auto (Triton on CUDA tensors) | triton | torch: see kernels.py
 
     def __post_init__(self):
         # one-line errors that name the fix; called again by GPT() after any field edits
@@ -46,6 +49,8 @@ class GPTConfig:
                              f"(or None for min(8, 2L)), got {self.attnres_blocks!r}")
         if self.nag_channels < 1:
             raise ValueError(f"nag_channels must be >= 1, got {self.nag_channels}")
+        if self.kernels not in IMPLS:
+            raise ValueError(f"unknown kernels '{self.kernels}'; valid: {', '.join(IMPLS)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
@@ -61,41 +66,14 @@ class GPTConfig:
 # -----------------------------------------------------------------------------
 # building blocks
 
-def upcast(x):
-    """x in fp32 at least: the precision for statistics and gains (fp64 stays fp64, for tests)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
-class RMSNormFunction(torch.autograd.Function):
-    """y = x / rms(x) * w with a hand-written backward: about 3x fewer elementwise passes than
-    autograd through F.rms_norm, which matters on CPU where small models are op-bound."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        xf = upcast(x)
-        inv = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-        x_hat = (xf * inv).type_as(x)
-        ctx.save_for_backward(x_hat, weight, inv)
-        return x_hat * weight
-
-    @staticmethod
-    def backward(ctx, grad):
-        x_hat, weight, inv = ctx.saved_tensors
-        grad_weight = (grad * x_hat).flatten(0, -2).sum(0)
-        g = grad * weight
-        # d x_hat / d x = inv * (I - x_hat x_hat^T / d)
-        grad_x = (g - x_hat * (g * x_hat).mean(-1, keepdim=True)) * inv
-        return grad_x.type_as(x_hat), grad_weight, None
-
-
 class RMSNorm(nn.Module):
-    def __init__(self, dim, eps=1e-6):
+    def __init__(self, dim, impl="auto", eps=1e-6):
         super().__init__()
-        self.eps = eps
+        self.impl, self.eps = impl, eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return RMSNormFunction.apply(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, impl=self.impl)
 
 
 def rope_table(head_dim, max_len, base=10000.0):
@@ -170,8 +148,8 @@ class PreNorm(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.norms = nn.ModuleList(RMSNorm(config.n_embd) for _ in range(config.n_sublayers))
-        self.norm_f = RMSNorm(config.n_embd)
+        self.norms = nn.ModuleList(RMSNorm(config.n_embd, config.kernels) for _ in range(config.n_sublayers))
+        self.norm_f = RMSNorm(config.n_embd, config.kernels)
 
     def embed(self, e):
         return e
@@ -198,26 +176,14 @@ class Sandwich(PreNorm):
 
     def __init__(self, config):
         super().__init__(config)
-        self.norm_embed = RMSNorm(config.n_embd)
-        self.post_norms = nn.ModuleList(RMSNorm(config.n_embd) for _ in range(config.n_sublayers))
+        self.norm_embed = RMSNorm(config.n_embd, config.kernels)
+        self.post_norms = nn.ModuleList(RMSNorm(config.n_embd, config.kernels) for _ in range(config.n_sublayers))
 
     def embed(self, e):
         return self.norm_embed(e)
 
     def write(self, x, l, out):
         return x + self.post_norms[l](out)
-
-
-def nag_update(r, u, a, eps=1e-6):
-    """The NAG write-back of a sublayer output u into the direction r (unit RMS) with tangent a.
-    Returns the new direction and the log-gain 0.5 * log(1 + a^2) that the log-norm s gains."""
-    rf, uf, af = upcast(r), upcast(u), upcast(a)
-    uf = uf - uf.mean(-1, keepdim=True)  # 1. centre
-    uf = uf - (uf * rf).sum(-1, keepdim=True) / (rf * rf).sum(-1, keepdim=True) * rf  # 2. orthogonal to r
-    v = uf * torch.rsqrt(uf.square().mean(-1, keepdim=True) + eps)  # 3. unit RMS
-    r_new = (rf + af * v) * torch.rsqrt(1 + af * af)  # 6. rotate by arctan(a) ...
-    r_new = r_new * torch.rsqrt(r_new.square().mean(-1, keepdim=True))  # ... and stop drift in low precision
-    return r_new.type_as(r), 0.5 * torch.log1p(af * af)  # 7. log-gain
 
 
 class Modulator(nn.Module):
@@ -248,6 +214,7 @@ class NAG(nn.Module):
         self.modulators = nn.ModuleList(Modulator(d, config.nag_channels) for _ in range(n))
         self.g_enc = nn.Parameter(torch.zeros(()))
         self.g_dec = nn.Parameter(torch.zeros(()))
+        self.impl = config.kernels
 
     def embed(self, e):
         e = upcast(e)
@@ -263,7 +230,7 @@ class NAG(nn.Module):
 
     def write(self, state, l, out):
         r, s = state
-        r, log_gain = nag_update(r, out, self.tangent(r, l))
+        r, log_gain = nag_update(r, out, self.tangent(r, l), impl=self.impl)
         return r, s + log_gain
 
     def head(self, state, lm_head):
@@ -285,17 +252,6 @@ class NAG(nn.Module):
         return {"alpha": self.alpha[l].item(), "m": m.mean().item(), "angle": torch.atan(a).mean().item()}
 
 
-def depth_attention(sources, query, norm_weight, eps=1e-6):
-    """sum_i softmax_i(<query, RMSNorm(sources_i)>) sources_i, a softmax over depth per token.
-    sources [S, ..., d]. <q, w * v / rms(v)> = <q * w, v> / rms(v): no normalised copy is made.
-    Returns the mix and the weights [S, ...]."""
-    scores = upcast(sources @ (query * norm_weight).to(sources.dtype))
-    scores = scores * torch.rsqrt(upcast(sources).square().mean(-1) + eps)
-    weights = torch.softmax(scores, dim=0)
-    # a broadcast multiply and a sum over depth: far cheaper on CPU than einsum's tiny batched matmuls
-    return (weights.unsqueeze(-1).to(sources.dtype) * sources).sum(0), weights
-
-
 class BlockAttnRes(nn.Module):
     """Attention Residuals over blocks: sublayers are grouped into blocks of S consecutive ones;
     a block's summary b_n is the sum of its sublayers' raw outputs and b_0 is the embedding.
@@ -311,9 +267,10 @@ class BlockAttnRes(nn.Module):
         # a pseudo-query (init 0: a uniform average) and key norm for sublayers 1..2L-1 and the head
         # (index l-1); sublayer 0 has only the embedding to read, so nothing to learn there
         self.queries = nn.ParameterList(nn.Parameter(torch.zeros(d)) for _ in range(n))
-        self.key_norms = nn.ModuleList(RMSNorm(d) for _ in range(n))
-        self.norms = nn.ModuleList(RMSNorm(d) for _ in range(n))
-        self.norm_f = RMSNorm(d)
+        self.key_norms = nn.ModuleList(RMSNorm(d, config.kernels) for _ in range(n))
+        self.norms = nn.ModuleList(RMSNorm(d, config.kernels) for _ in range(n))
+        self.norm_f = RMSNorm(d, config.kernels)
+        self.impl = config.kernels
 
     def embed(self, e):
         return [e], None  # finished blocks, partial sum of the current block
@@ -322,14 +279,18 @@ class BlockAttnRes(nn.Module):
         blocks, partial = state
         return blocks if partial is None else blocks + [partial]
 
-    def mix(self, state, l):
-        srcs = self.sources(state)
+    def depth_inputs(self, state, l):
+        """(sources [S, ..., d], query, key-norm weight) that sublayer l (l = 2L: the head) mixes."""
+        return torch.stack(self.sources(state)), self.queries[l - 1], self.key_norms[l - 1].weight
+
+    def value(self, state, l):
+        """The depth mix sublayer l reads (sublayer 0: the embedding, its only source)."""
         if l == 0:
-            return srcs[0], None
-        return depth_attention(torch.stack(srcs), self.queries[l - 1], self.key_norms[l - 1].weight)
+            return state[0][0]
+        return depth_attention(*self.depth_inputs(state, l), impl=self.impl)
 
     def read(self, state, l):
-        return self.norms[l](self.mix(state, l)[0])
+        return self.norms[l](self.value(state, l))
 
     def write(self, state, l, out):
         blocks, partial = state
@@ -339,14 +300,13 @@ class BlockAttnRes(nn.Module):
         return blocks, partial
 
     def head(self, state, lm_head):
-        return lm_head(self.norm_f(self.mix(state, len(self.norms))[0]))
-
-    def value(self, state, l):
-        return self.mix(state, l)[0]
+        return lm_head(self.norm_f(self.value(state, len(self.norms))))
 
     def stats(self, state, l):
-        weights = self.mix(state, l)[1]
-        return {} if weights is None else {"depth_weights": weights.float().flatten(1).mean(1).tolist()}
+        if l == 0:
+            return {}
+        weights = torch.softmax(depth_scores(*self.depth_inputs(state, l)), dim=0)
+        return {"depth_weights": weights.float().flatten(1).mean(1).tolist()}
 
 
 RESIDUALS = {

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import train
-from model import GPT, NAG, RESIDUALS, BlockAttnRes, GPTConfig, Modulator, depth_attention, nag_update
+from kernels import depth_attention, depth_scores, nag_update
+from model import GPT, NAG, RESIDUALS, BlockAttnRes, GPTConfig, Modulator
 
 MODES = list(RESIDUALS)
 REPO = Path(__file__).resolve().parents[1]
@@ -68,7 +69,7 @@ def test_nag_update_is_orthogonal_to_r_and_keeps_unit_rms():
     r = r / r.square().mean(-1, keepdim=True).sqrt()
     u = torch.randn(5, 7, d, dtype=torch.float64) + 3.0 * r + 2.0  # large components along r and 1
     a = torch.rand(5, 7, 1, dtype=torch.float64) * 2
-    r_new, log_gain = nag_update(r, u, a, eps=0.0)  # eps = 0: the exact geometry
+    r_new, log_gain = nag_update(r, u, a, eps=0.0, impl="torch")  # eps = 0: the exact geometry
     step = r_new * torch.sqrt(1 + a * a) - r  # = a v, the written-back part
     assert (step * r).sum(-1).abs().max() < 1e-10 * d  # orthogonal to r
     assert step.mean(-1).abs().max() < 1e-12  # centred
@@ -76,7 +77,7 @@ def test_nag_update_is_orthogonal_to_r_and_keeps_unit_rms():
     torch.testing.assert_close(r_new.square().mean(-1), torch.ones(5, 7, dtype=torch.float64))
     torch.testing.assert_close(log_gain, 0.5 * torch.log(1 + a * a))
     # a = 0 leaves r alone
-    r_same, gain0 = nag_update(r, u, torch.zeros_like(a))
+    r_same, gain0 = nag_update(r, u, torch.zeros_like(a), impl="torch")
     torch.testing.assert_close(r_same, r)
     assert gain0.abs().max() == 0
 
@@ -152,7 +153,8 @@ def test_depth_attention_matches_definition_values_and_grads():
             .view(S, 1, 1, 1)).requires_grad_()
     q = torch.randn(d, dtype=torch.float64, requires_grad=True)
     w = (1 + 0.3 * torch.randn(d, dtype=torch.float64)).requires_grad_()
-    out, weights = depth_attention(srcs, q, w)
+    out = depth_attention(srcs, q, w, impl="torch")
+    weights = torch.softmax(depth_scores(srcs, q, w), dim=0)  # what diagnostics() reports
     ref, ref_weights = naive_depth_attention(srcs, q, w)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(weights, ref_weights)

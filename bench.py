@@ -1,0 +1,153 @@
+"""
+Benchmarks that print figures (speed targets are checked here, not in timed tests).
+
+    python bench.py                      # both sections, on the GPU if there is one
+    python bench.py --section=kernels    # each fused kernel vs eager PyTorch and torch.compile of its reference
+    python bench.py --section=model      # step time and peak memory of each residual mode, relative to prenorm
+
+kernels: forward and forward+backward time of rms_norm, nag_update and depth_attention, and the
+achieved bandwidth: the bytes a fused kernel must move at least (each input read once, each output
+written once) divided by the time. On a GPU compare it with the copy bandwidth printed first.
+model: one training step (forward, backward, AdamW) per mode at the GPT-2 124M shape on a GPU
+(12 layers, 768 wide, 12 heads, T = 1024, bf16, compiled), or at the quickstart shape on a CPU.
+Ratios measured in one run are what to compare: absolute times drift on a shared machine.
+"""
+
+import sys
+import time
+
+import torch
+
+import kernels
+from configurator import ConfigError, configure
+from model import GPT, GPTConfig, RESIDUALS
+
+DEFAULTS = dict(section="all", device="auto", dtype="auto", compile=True, reps=0, batch_size=0)
+
+
+def timeit(fn, device, reps):
+    """Median seconds per call of fn(), after warm-up calls."""
+    for _ in range(3):
+        fn()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
+    for _ in range(reps):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def kernel_cases(device, dtype):
+    """(name, inputs, reference, fused kernel, bytes moved forward, bytes moved backward)."""
+    gpu = device.type == "cuda"
+    M, d, S = (16 * 1024, 768, 9) if gpu else (2048, 128, 9)  # rows = B * T tokens; S sources
+    b = torch.empty((), dtype=dtype).element_size()
+
+    def make(*shapes):
+        return [torch.randn(s, device=device, dtype=dtype).requires_grad_() for s in shapes]
+
+    r = torch.randn(M, d, device=device)
+    r = ((r - r.mean(-1, keepdim=True)) / r.std(-1, keepdim=True)).to(dtype).requires_grad_()
+    u, = make((M, d))
+    a = torch.rand(M, 1, device=device, requires_grad=True)
+    return [
+        ("rms_norm", make((M, d), (d,)), kernels.RMSNormTorch.apply, lambda x, w: kernels.rms_norm(x, w, impl="triton"),
+         2 * M * d * b, 3 * M * d * b, (1e-6,)),
+        ("nag_update", [r, u, a], kernels.nag_update_torch, lambda r, u, a: kernels.nag_update(r, u, a, impl="triton"),
+         3 * M * d * b, 5 * M * d * b, ()),
+        ("depth_attention", make((S, M, d), (d,), (d,)), kernels.depth_attention_torch,
+         lambda s, q, w: kernels.depth_attention(s, q, w, impl="triton"),
+         (S + 1) * M * d * b, (2 * S + 2) * M * d * b, ()),
+    ]
+
+
+def bench_kernels(device, dtype, use_compile, reps):
+    print(f"\n## kernels ({device.type}, {str(dtype).replace('torch.', '')})")
+    if device.type == "cuda":
+        x = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device=device)
+        t = timeit(lambda: x.clone(), device, reps)
+        print(f"copy bandwidth: {2 * x.numel() / t / 1e9:.0f} GB/s (clone of 256 MiB)")
+    print("| kernel | impl | fwd us | fwd GB/s | fwd+bwd us | fwd+bwd GB/s | fwd+bwd vs eager |")
+    print("|---|---|---|---|---|---|---|")
+    for name, inputs, ref, fused, bytes_fwd, bytes_bwd, extra in kernel_cases(device, dtype):
+        impls = {"eager": lambda *x, ref=ref, extra=extra: ref(*x, *extra)}
+        if use_compile:
+            impls["compile"] = torch.compile(impls["eager"])
+        if device.type == "cuda" and kernels.triton is not None:
+            impls["triton"] = fused
+        eager_total = None
+        for impl, fn in impls.items():
+            def fwd():
+                with torch.no_grad():
+                    fn(*inputs)
+
+            def fwd_bwd():
+                out = fn(*inputs)
+                out = out if isinstance(out, tuple) else (out,)
+                torch.autograd.backward(out[0], torch.ones_like(out[0]))
+            try:
+                t_f, t_fb = timeit(fwd, device, reps), timeit(fwd_bwd, device, reps)
+            except Exception as e:  # e.g. no C++ compiler for inductor on this CPU
+                print(f"| {name} | {impl} | failed: {type(e).__name__}: {str(e).splitlines()[0][:80]} |||||")
+                continue
+            eager_total = eager_total or t_fb
+            print(f"| {name} | {impl} | {t_f * 1e6:.0f} | {bytes_fwd / t_f / 1e9:.1f} | {t_fb * 1e6:.0f} "
+                  f"| {(bytes_fwd + bytes_bwd) / t_fb / 1e9:.1f} | {eager_total / t_fb:.2f}x |")
+
+
+def bench_model(device, dtype, use_compile, reps, batch_size):
+    gpu = device.type == "cuda"
+    shape = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024) if gpu else \
+        dict(n_layer=4, n_head=4, n_embd=128, block_size=64)
+    B = batch_size or (8 if gpu else 12)
+    print(f"\n## model step ({device.type}, {str(dtype).replace('torch.', '')}, compile={use_compile}, "
+          f"B={B}, {shape})")
+    print("| residual | ms/step | vs prenorm | peak memory GiB | vs prenorm |")
+    print("|---|---|---|---|---|")
+    base = None
+    for residual in RESIDUALS:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=50257 if gpu else 65, residual=residual, **shape)).to(device)
+        opt = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device.type)
+        step_model = torch.compile(model) if use_compile else model
+        x = torch.randint(0, model.config.vocab_size, (B, shape["block_size"]), device=device)
+        autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+        def step():
+            with autocast:
+                _, loss = step_model(x, x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if gpu:
+            torch.cuda.reset_peak_memory_stats()
+        t = timeit(step, device, reps)
+        mem = torch.cuda.max_memory_allocated() / 2 ** 30 if gpu else None
+        base = base or (t, mem)
+        mem_cols = f"{mem:.2f} | {mem / base[1]:.2f}x" if gpu else "n/a (CPU) |"
+        print(f"| {residual} | {t * 1e3:.1f} | {t / base[0]:.2f}x | {mem_cols} |")
+        del model, opt, step_model
+
+
+def main(argv=None):
+    cfg = configure(sys.argv[1:] if argv is None else argv, DEFAULTS)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg["device"] == "auto" else cfg["device"])
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg["dtype"]]
+    reps = cfg["reps"] or (50 if device.type == "cuda" else 20)
+    print(f"torch {torch.__version__}, triton {getattr(kernels.triton, '__version__', 'not installed')}, "
+          f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else f'CPU, {torch.get_num_threads()} threads'}")
+    if cfg["section"] in ("all", "kernels"):
+        bench_kernels(device, dtype, cfg["compile"], reps)
+    if cfg["section"] in ("all", "model"):
+        bench_model(device, dtype, cfg["compile"] and device.type == "cuda", reps, cfg["batch_size"])
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}")
