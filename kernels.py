@@ -8,7 +8,9 @@ Fused kernels for nanodepth's three memory-bound row-wise operations, one sectio
 Each section reads top to bottom: Triton forward kernel, Triton backward kernel, the
 torch.autograd.Function that launches them, and the plain-PyTorch reference with the same
 signature. The public function picks a path with `impl`:
-    "auto"    Triton for CUDA tensors when triton is installed, else the reference
+    "auto"    Triton for CUDA tensors when triton is installed, else the reference; inside
+              torch.compile also the reference, which inductor fuses into kernels of its own
+              (the hand-written kernels are not yet verified under compile on a GPU)
     "triton"  always Triton (on CPU tensors this needs TRITON_INTERPRET=1, set before importing triton)
     "torch"   always the reference
 All arithmetic is fp32 inside the kernels, whatever the storage dtype (fp32, bf16, fp16); outputs
@@ -29,7 +31,7 @@ IMPLS = ("auto", "torch", "triton")
 
 def use_triton(impl, x):
     if impl == "auto":
-        return triton is not None and x.is_cuda
+        return triton is not None and x.is_cuda and not torch.compiler.is_compiling()
     if impl == "torch":
         return False
     if impl == "triton":
