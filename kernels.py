@@ -133,7 +133,8 @@ class RMSNormTorch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
         xf = upcast(x)
-        inv = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+        # vector_norm squares and sums in one pass; the rest works on one scalar per row
+        inv = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps).rsqrt_()
         x_hat = (xf * inv).type_as(x)
         ctx.save_for_backward(x_hat, weight, inv)
         return x_hat * weight if weight is not None else x_hat
@@ -143,8 +144,9 @@ class RMSNormTorch(torch.autograd.Function):
         x_hat, weight, inv = ctx.saved_tensors
         grad_weight = (grad * x_hat).flatten(0, -2).sum(0) if weight is not None else None
         g = grad * weight if weight is not None else grad
-        # d x_hat / d x = inv * (I - x_hat x_hat^T / d)
-        grad_x = (g - x_hat * (g * x_hat).mean(-1, keepdim=True)) * inv
+        # d x_hat / d x = inv * (I - x_hat x_hat^T / d): two fused passes (vecdot, addcmul) and a scale
+        dot = torch.linalg.vecdot(g, x_hat, dim=-1).unsqueeze(-1).div_(-x_hat.shape[-1])
+        grad_x = torch.addcmul(g, x_hat, dot).mul_(inv)
         return grad_x.type_as(x_hat), grad_weight, None
 
 
