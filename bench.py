@@ -25,9 +25,9 @@ from model import GPT, GPTConfig, RESIDUALS
 DEFAULTS = dict(section="all", device="auto", dtype="auto", compile=True, reps=0, batch_size=0)
 
 
-def timeit(fn, device, reps):
+def timeit(fn, device, reps, warmup=3):
     """Median seconds per call of fn(), after warm-up calls."""
-    for _ in range(3):
+    for _ in range(warmup):
         fn()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
@@ -105,34 +105,45 @@ def bench_model(device, dtype, use_compile, reps, batch_size):
     B = batch_size or (8 if gpu else 12)
     print(f"\n## model step ({device.type}, {str(dtype).replace('torch.', '')}, compile={use_compile}, "
           f"B={B}, {shape})")
-    print("| residual | ms/step | vs prenorm | peak memory GiB | vs prenorm |")
-    print("|---|---|---|---|---|")
-    base = None
-    for residual in RESIDUALS:
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    steps, mem = {}, {}
+    for residual in RESIDUALS:  # build (and compile) every mode first, measuring its own peak memory
+        base_mem = torch.cuda.memory_allocated() if gpu else 0
+        if gpu:
+            torch.cuda.reset_peak_memory_stats()
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=50257 if gpu else 65, residual=residual, **shape)).to(device)
         opt = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device.type)
         step_model = torch.compile(model) if use_compile else model
         x = torch.randint(0, model.config.vocab_size, (B, shape["block_size"]), device=device)
-        autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
-        def step():
+        def step(step_model=step_model, opt=opt, x=x):
             with autocast:
                 _, loss = step_model(x, x)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        if gpu:
-            torch.cuda.reset_peak_memory_stats()
-        t = timeit(step, device, reps)
-        mem = torch.cuda.max_memory_allocated() / 2 ** 30 if gpu else None
-        base = base or (t, mem)
-        mem_cols = f"{mem:.2f} | {mem / base[1]:.2f}x" if gpu else "n/a (CPU) |"
-        print(f"| {residual} | {t * 1e3:.1f} | {t / base[0]:.2f}x | {mem_cols} |")
-        del model, opt, step_model
+        timeit(step, device, 2)  # warm-up: compilation, optimizer state
+        steps[residual] = step
+        mem[residual] = (torch.cuda.max_memory_allocated() - base_mem) / 2 ** 30 if gpu else None
+    # then time them in interleaved rounds, so drift on a shared machine hits every mode alike
+    times = {residual: [] for residual in steps}
+    for _ in range(reps):
+        for residual, step in steps.items():
+            times[residual].append(timeit(step, device, 1, warmup=0))
+    print("| residual | ms/step | vs prenorm | peak memory GiB | vs prenorm |")
+    print("|---|---|---|---|---|")
+    t0 = None
+    for residual, ts in times.items():
+        t = sorted(ts)[len(ts) // 2]
+        t0 = t0 or t
+        mem_cols = f"{mem[residual]:.2f} | {mem[residual] / mem['prenorm']:.2f}x" if gpu else "n/a (CPU) |"
+        print(f"| {residual} | {t * 1e3:.1f} | {t / t0:.2f}x | {mem_cols} |")
+    return {residual: sorted(ts)[len(ts) // 2] for residual, ts in times.items()}
 
 
 def main(argv=None):
+    """Print the tables; returns the model section's seconds per step by residual mode (if it ran)."""
     cfg = configure(sys.argv[1:] if argv is None else argv, DEFAULTS)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg["device"] == "auto" else cfg["device"])
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
@@ -143,7 +154,7 @@ def main(argv=None):
     if cfg["section"] in ("all", "kernels"):
         bench_kernels(device, dtype, cfg["compile"], reps)
     if cfg["section"] in ("all", "model"):
-        bench_model(device, dtype, cfg["compile"] and device.type == "cuda", reps, cfg["batch_size"])
+        return bench_model(device, dtype, cfg["compile"] and device.type == "cuda", reps, cfg["batch_size"])
 
 
 if __name__ == "__main__":
