@@ -128,16 +128,19 @@ def plot_loss(out_dirs):
 
 def table(out_dirs):
     """Markdown: per run, the final and best val loss, the stream growth with depth (RMS the head
-    reads / RMS entering sublayer 1) and the mean step time."""
-    lines = ["| run | residual | sublayers | final val | best val | RMS head / RMS sublayer 1 | ms/iter |",
-             "|---|---|---|---|---|---|---|"]
+    reads / RMS entering sublayer 1, and / RMS entering sublayer 3: the growth after the first block,
+    apart from the jump from a small embedding) and the mean step time."""
+    lines = ["| run | residual | sublayers | final val | best val | RMS head / RMS sublayer 1 "
+             "| RMS head / RMS sublayer 3 | ms/iter |",
+             "|---|---|---|---|---|---|---|---|"]
     for d in out_dirs:
         recs = load_log(d)
         rows = pick(recs, d)["diagnostics"]
         ms = [r["ms_per_iter"] for r in recs if r.get("tokens_per_s")]
         lines.append(f"| {os.path.basename(os.path.normpath(d))} | {recs[-1].get('residual', '?')} | {len(rows) - 1} "
                      f"| {recs[-1]['val_loss']:.4f} | {min(r['val_loss'] for r in recs):.4f} "
-                     f"| {rows[-1]['rms'] / rows[0]['rms']:.2f} | {sum(ms) / max(len(ms), 1):.1f} |")
+                     f"| {rows[-1]['rms'] / rows[0]['rms']:.2f} | {rows[-1]['rms'] / rows[min(2, len(rows) - 1)]['rms']:.2f} "
+                f"| {sum(ms) / max(len(ms), 1):.1f} |")
     return "\n".join(lines)
 
 

@@ -116,3 +116,4 @@ def test_table(runs, tmp_path):
     # final and best val from the log; stream growth = head RMS / first sublayer RMS of the last eval
     assert nag[:6] == ["nag", "nag", "4", "2.7000", "2.7000", "4.00"]
     assert prenorm[5] == f"{0.6 / 0.1:.2f}"
+    assert nag[6] == f"{4.0 / 2.0:.2f}" and prenorm[6] == f"{0.6 / 0.3:.2f}"  # growth after the first block
