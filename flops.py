@@ -303,7 +303,9 @@ def plot_results(rows, budget):
         pts = sorted((r["n_layer"], r["val_loss"]) for r in done
                      if r["residual"] + (f" + {r['mod']} {r['mod_rate']:g}" if r["mod"] else "") == label)
         ax.plot(*zip(*pts), marker="o", label=label)
-    ax.set_xscale("log", base=2)
+    ax.set_xscale("log", base=2)  # depths usually double
+    depths = sorted({r["n_layer"] for r in done})
+    ax.set_xticks(depths, [str(L) for L in depths])
     ax.set_xlabel("layers")
     ax.set_ylabel("final val loss")
     ax.set_title(f"val loss vs depth at {budget:.3g} FLOPs", fontsize=10)
