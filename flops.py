@@ -222,7 +222,7 @@ def run_result(out_dir):
 
 def run_sweep(argv):
     sw = configure(argv, SWEEP_DEFAULTS)
-    root = os.path.join(sw["out_root"], sw["sweep_name"])
+    root = os.path.abspath(os.path.join(sw["out_root"], sw["sweep_name"]))  # train.py runs in the repo dir
     os.makedirs(root, exist_ok=True)
     runs = sweep_runs(sw)
     base = train_config([sw["train_config"], *sw["train_args"]])
@@ -234,7 +234,7 @@ def run_sweep(argv):
         if result is None:
             # a killed run left a checkpoint: continue it rather than start over
             resume = os.path.exists(os.path.join(out_dir, "ckpt.pt"))
-            cmd = [sys.executable, "train.py", sw["train_config"], *sw["train_args"], f"--out_dir={out_dir}",
+            cmd = [sys.executable, "train.py", os.path.abspath(sw["train_config"]), *sw["train_args"], f"--out_dir={out_dir}",
                    f"--residual={residual}", f"--n_layer={depth}", f"--max_flops={sw['budget']}",
                    *([f"--mod={mod}", f"--mod_rate={rate}"] if mod else []),
                    *(["--init_from=resume"] if resume else [])]

@@ -24,7 +24,7 @@ from configurator import ConfigError, configure  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 TOL = 1e-5  # fp32 on CPU; log.jsonl rounds losses to 6 decimals
-LOG_KEYS = {"iter", "tokens", "train_loss", "val_loss", "lr", "ms_per_iter", "tokens_per_s"}
+LOG_KEYS = {"iter", "tokens", "train_loss", "val_loss", "lr", "ms_per_iter", "tokens_per_s", "flops", "mfu"}
 CKPT_KEYS = {"model", "optimizer", "model_args", "iter_num", "best_val_loss", "config", "rng"}
 MODEL_ARGS = ("n_layer", "n_head", "n_embd", "block_size")
 
@@ -255,6 +255,7 @@ def test_log_jsonl(base_run, data_dir):
     for r in log:
         assert set(r) == LOG_KEYS
         assert r["tokens"] == r["iter"] * tpi
+        assert r["mfu"] is None  # CPU: no peak to compare with (flops.py's counts are tested in test_flops.py)
         assert math.isfinite(r["train_loss"]) and math.isfinite(r["val_loss"])
         if r["iter"] > 0:
             assert r["ms_per_iter"] > 0
