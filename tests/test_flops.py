@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import flops  # noqa: E402
 import train  # noqa: E402
+from configurator import configure  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 aten = torch.ops.aten
@@ -147,6 +148,16 @@ def test_train_max_flops(data_dir, tmp_path):
     assert log[-1]["flops"] == pytest.approx(10 * tpi * per_token)
     assert log[-1]["lr"] == pytest.approx(6e-4 / 10, rel=1e-6)  # lr_decay_iters followed max_iters: min_lr at the end
     assert all(r["mfu"] is None for r in log)  # CPU
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "config").glob("sweep_*.py")), ids=lambda p: p.name)
+def test_shipped_sweep_configs_are_valid(path):
+    sw = configure([str(path)], flops.SWEEP_DEFAULTS)
+    cfg = configure([str(REPO / sw["train_config"]), *sw["train_args"]], train.DEFAULTS)
+    for L in sw["depths"]:
+        for r in sw["residuals"]:
+            GPTConfig(vocab_size=65, **{**{k: cfg[k] for k in ("n_head", "n_embd", "block_size")},
+                                        "n_layer": L, "residual": r})
 
 
 def test_sweep_resumes_and_reports_failures(data_dir, tmp_path, capsys):
