@@ -234,8 +234,8 @@ def run_sweep(argv):
         if result is None:
             # a killed run left a checkpoint: continue it rather than start over
             resume = os.path.exists(os.path.join(out_dir, "ckpt.pt"))
-            cmd = [sys.executable, "train.py", os.path.abspath(sw["train_config"]), *sw["train_args"], f"--out_dir={out_dir}",
-                   f"--residual={residual}", f"--n_layer={depth}", f"--max_flops={sw['budget']}",
+            cmd = [sys.executable, "train.py", os.path.abspath(sw["train_config"]), *sw["train_args"],
+                   f"--out_dir={out_dir}", f"--residual={residual}", f"--n_layer={depth}", f"--max_flops={sw['budget']}",
                    *([f"--mod={mod}", f"--mod_rate={rate}"] if mod else []),
                    *(["--init_from=resume"] if resume else [])]
             os.makedirs(out_dir, exist_ok=True)
@@ -312,7 +312,8 @@ def plot_results(rows, budget):
     if with_mod:  # the dense runs are mod_rate 0 of each residual
         ax2 = axes[0, 1]
         for residual, depth in dict.fromkeys((r["residual"], r["n_layer"]) for r in done if r["mod"]):
-            pts = sorted((r["mod_rate"], r["val_loss"]) for r in done if r["residual"] == residual and r["n_layer"] == depth)
+            pts = sorted((r["mod_rate"], r["val_loss"]) for r in done
+                         if r["residual"] == residual and r["n_layer"] == depth)
             ax2.plot(*zip(*pts), marker="o", label=f"{residual} L={depth}")
         ax2.set_xlabel("mod_rate (fraction of sublayer tokens skipped)")
         ax2.set_title("val loss vs mod_rate", fontsize=10)
