@@ -235,7 +235,8 @@ def run_sweep(argv):
             # a killed run left a checkpoint: continue it rather than start over
             resume = os.path.exists(os.path.join(out_dir, "ckpt.pt"))
             cmd = [sys.executable, "train.py", os.path.abspath(sw["train_config"]), *sw["train_args"],
-                   f"--out_dir={out_dir}", f"--residual={residual}", f"--n_layer={depth}", f"--max_flops={sw['budget']}",
+                   f"--out_dir={out_dir}", f"--residual={residual}", f"--n_layer={depth}",
+                   f"--max_flops={sw['budget']}",
                    *([f"--mod={mod}", f"--mod_rate={rate}"] if mod else []),
                    *(["--init_from=resume"] if resume else [])]
             os.makedirs(out_dir, exist_ok=True)
