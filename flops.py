@@ -106,7 +106,7 @@ PEAK_FLOPS = [
     (r"h200", 989e12),  # H200 SXM: same tensor cores as H100 SXM
     (r"b200", 2250e12),  # B200 (HGX): 4.5 PFLOPS with sparsity
     (r"a100", 312e12),  # A100 (PCIe and SXM)
-    (r"\ba10g?\b", 125e12),  # A10: 250 with sparsity (A10G taken the same, as AWS reports it)
+    (r"\ba10\b", 125e12),  # A10: 250 with sparsity (not the A10G: its peak is not published by NVIDIA)
     (r"l40s", 362e12),  # L40S: 733 with sparsity
     (r"\bl4\b", 121e12),  # L4: 242 with sparsity
     (r"rtx 4090", 165e12),  # Ada whitepaper: 165.2 bf16 with fp32 accumulate (330 with sparsity)

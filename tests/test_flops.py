@@ -117,14 +117,14 @@ def test_budget_arithmetic(budget):
 @pytest.mark.parametrize("name, peak", [
     ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H200", 989e12),
     ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA L4", 121e12), ("NVIDIA L40S", 362e12),
-    ("NVIDIA GeForce RTX 4090", 165e12), ("NVIDIA A10G", 125e12)])
+    ("NVIDIA GeForce RTX 4090", 165e12), ("NVIDIA A10", 125e12)])
 def test_mfu_known_gpu(name, peak):
     assert flops.peak_flops(name) == peak
     assert flops.mfu(6e8, 1e5, name) == pytest.approx(6e8 * 1e5 / peak)
     assert flops.mfu(6e8, 1e5, name, n_devices=8) == pytest.approx(6e8 * 1e5 / (8 * peak))
 
 
-@pytest.mark.parametrize("name", ["Tesla K80", "NVIDIA GeForce GTX 1080", "AMD Instinct MI300X", None, ""])
+@pytest.mark.parametrize("name", ["Tesla K80", "NVIDIA GeForce GTX 1080", "NVIDIA A10G", "AMD Instinct MI300X", None, ""])
 def test_mfu_unknown_gpu(name):
     assert flops.peak_flops(name) is None
     assert flops.mfu(6e8, 1e5, name) is None  # unknown: never a guess
