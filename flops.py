@@ -93,6 +93,8 @@ def count_params(config):
 
 def iterations_for_budget(budget, flops_per_token, tokens_per_iter):
     """Iterations whose training FLOPs come nearest to the budget (so within half an iteration)."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+        raise ConfigError(f"a FLOP budget must be a positive number such as 3e15, got {budget!r}")
     return max(1, round(budget / (flops_per_token * tokens_per_iter)))
 
 
@@ -161,6 +163,8 @@ def breakdown(argv):
     config = model_config(cfg)
     parts = forward_flops(config)
     fwd = sum(parts.values())
+    tokens_per_iter = cfg["gradient_accumulation_steps"] * cfg["batch_size"] * cfg["block_size"]
+    iters = None if cfg["budget"] is None else iterations_for_budget(cfg["budget"], 3 * fwd, tokens_per_iter)
     total, non_embedding = count_params(config)
     print(f"{config.residual}: {config.n_layer} layers, d={config.n_embd}, T={config.block_size}, "
           f"V={config.padded_vocab_size} (padded)")
@@ -170,9 +174,7 @@ def breakdown(argv):
     print(f"{'forward':<16}{fwd:>14,.0f}")
     print(f"{'train (3x)':<16}{3 * fwd:>14,.0f}")
     print(f"params: {total:,} total, {non_embedding:,} non-embedding (6N = {6 * non_embedding:,})")
-    if cfg["budget"] is not None:
-        tokens_per_iter = cfg["gradient_accumulation_steps"] * cfg["batch_size"] * cfg["block_size"]
-        iters = iterations_for_budget(cfg["budget"], 3 * fwd, tokens_per_iter)
+    if iters is not None:
         print(f"budget {cfg['budget']:.3g} FLOPs: {cfg['budget'] / (3 * fwd):,.0f} tokens = {iters:,} iterations "
               f"of {tokens_per_iter:,} tokens ({iters * tokens_per_iter * 3 * fwd:.4g} FLOPs)")
 

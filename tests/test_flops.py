@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import flops  # noqa: E402
 import train  # noqa: E402
-from configurator import configure  # noqa: E402
+from configurator import ConfigError, configure  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 aten = torch.ops.aten
@@ -112,6 +112,12 @@ def test_budget_arithmetic(budget):
     tokens = {L: iters[L] * tpi for L in iters}
     assert tokens[2] * per_token[2] == pytest.approx(tokens[8] * per_token[8], abs=tpi * per_token[8])
     assert tokens[8] < tokens[2]
+
+
+@pytest.mark.parametrize("budget", [0, -1e12, "lots", True])
+def test_bad_budget_is_a_config_error(budget):
+    with pytest.raises(ConfigError, match="positive number"):
+        flops.iterations_for_budget(budget, 1e6, 768)
 
 
 @pytest.mark.parametrize("name, peak", [
