@@ -266,10 +266,11 @@ def run_sweep(argv):
         except ConfigError:
             pass  # train.py reported the error itself, and the run is recorded as failed
         rows.append(row)
-        eta = spent / executed * (len(runs) - i) if executed else float("nan")
+        # iso-FLOP: every run costs about the same, so the mean so far predicts the rest
+        eta = f"{spent / executed * (len(runs) - i) / 60:.1f} min" if executed else "unknown"
         loss = f", val {row['val_loss']:.4f}" if row.get("val_loss") is not None else ""
         print(f"[{i}/{len(runs)}] {name}: {what}{loss} | elapsed {(time.time() - t0) / 60:.1f} min, "
-              f"ETA {eta / 60:.1f} min", flush=True)
+              f"ETA {eta}", flush=True)
     write_results(root, rows, sw["budget"])
     return rows
 
