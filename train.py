@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import ConfigError, configure
+from flops import iterations_for_budget, mfu, train_flops_per_token
 from model import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -49,6 +50,7 @@ DEFAULTS = dict(
     # AdamW
     learning_rate=6e-4,
     max_iters=600000,
+    max_flops=None,  # a training FLOP budget (flops.py's count); when set it decides max_iters
     weight_decay=1e-1,
     beta1=0.9,
     beta2=0.95,
@@ -256,6 +258,14 @@ def main(argv):
                     broadcast_buffers=False)
 
     tokens_per_iter = accum * world * cfg["batch_size"] * cfg["block_size"]
+    flops_per_token = train_flops_per_token(gptconf)
+    if cfg["max_flops"] is not None:  # iso-FLOP: the budget sets the iterations, and the LR schedule with them
+        follows = lr_decay_iters == cfg["max_iters"]
+        cfg["max_iters"] = iterations_for_budget(cfg["max_flops"], flops_per_token, tokens_per_iter)
+        lr_decay_iters = cfg["max_iters"] if follows else lr_decay_iters
+        if master:
+            print(f"max_flops {cfg['max_flops']:.3g} at {flops_per_token:,.0f} FLOPs/token: {cfg['max_iters']:,} iters")
+    gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None  # MFU: None on CPU
     if master:
         print(f"{cfg['residual']}: {gptconf.n_layer} layers, {gptconf.n_embd} wide, "
               f"{raw_model.get_num_params() / 1e6:.2f}M non-embedding params | {device} {cfg['dtype']} | "
@@ -312,6 +322,8 @@ def main(argv):
                           "train_loss": round(losses["train"], 6), "val_loss": round(losses["val"], 6),
                           "lr": lr, "ms_per_iter": round(ms, 2),
                           "tokens_per_s": round(tokens_per_iter / (ms / 1000), 1) if iters_since else None}
+                record["flops"] = iter_num * tokens_per_iter * flops_per_token
+                record["mfu"] = mfu(flops_per_token, record["tokens_per_s"], gpu_name, world)
                 if cfg["diagnose"]:
                     X, _ = get_batch(paths["val"], cfg["batch_size"], cfg["block_size"],
                                      torch.Generator().manual_seed(EVAL_SEED), device)

@@ -1,0 +1,204 @@
+"""flops.py: the analytic count against torch's FlopCounterMode, MoD scaling, budget arithmetic,
+MFU, train.py's max_flops, and sweeps that resume and survive a failing run (CPU, tiny models)."""
+import csv
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import flops  # noqa: E402
+import train  # noqa: E402
+from configurator import ConfigError, configure  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+aten = torch.ops.aten
+
+
+def cpu_sdpa_flop(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs):
+    """FlopCounterMode has a formula for the GPU SDPA kernels (the full T x T square, the causal
+    mask ignored) but none for the CPU kernel, which it counts as 0: give it the same formula."""
+    return sdpa_flop_count(q_shape, k_shape, v_shape)
+
+
+def counted_flops(config, B=2):
+    """FlopCounterMode's forward FLOPs per token of the real model on a full training batch."""
+    torch.manual_seed(0)
+    model = GPT(config)
+    idx = torch.randint(0, config.vocab_size, (B, config.block_size))
+    with torch.no_grad(), FlopCounterMode(display=False, custom_mapping={
+            aten._scaled_dot_product_flash_attention_for_cpu: cpu_sdpa_flop}) as counter:
+        model(idx, idx)  # with targets: the head runs on every position
+    return counter.get_total_flops() / (B * config.block_size)
+
+
+CONFIGS = [dict(residual=r) for r in ("prenorm", "sandwich", "nag", "attnres", "block_attnres")] + [
+    dict(residual="block_attnres", attnres_blocks=3), dict(residual="nag", nag_channels=8)]
+
+
+@pytest.mark.parametrize("kw", CONFIGS, ids=lambda kw: "-".join(map(str, kw.values())))
+def test_matmul_flops_match_flop_counter(kw):
+    config = GPTConfig(block_size=48, vocab_size=65, n_layer=3, n_head=2, n_embd=32, kernels="torch", **kw)
+    parts = flops.forward_flops(config)
+    analytic = sum(v for k, v in parts.items() if k in flops.MATMUL)
+    assert counted_flops(config) == pytest.approx(analytic, rel=0.02)
+    # what the counter does not see is only the small extras (AttnRes depth mixing)
+    assert sum(parts.values()) - analytic <= 0.05 * analytic
+
+
+def test_attention_scores_are_counted_over_the_full_square():
+    # T doubles: only the score term changes, and it doubles (nanoGPT/PaLM: the causal mask is not credited)
+    small, big = (flops.forward_flops(GPTConfig(block_size=T, vocab_size=65, n_layer=2, n_head=2, n_embd=32))
+                  for T in (32, 64))
+    assert big["attn_scores"] == 2 * small["attn_scores"] == 2 * 2 * 64 * 32 * 2  # 2 layers
+    rest = lambda parts: {k: v for k, v in parts.items() if k != "attn_scores"}  # noqa: E731
+    assert rest(big) == rest(small)
+
+
+def test_exec_frac_scales_each_sublayer():
+    config = GPTConfig(block_size=64, vocab_size=65, n_layer=2, n_head=2, n_embd=32, residual="nag")
+    dense = flops.forward_flops(config)
+    assert dense == flops.forward_flops(config, [1.0] * 4)
+    half = flops.forward_flops(config, [0.5] * 4)
+    assert half["attn_proj"] == dense["attn_proj"] / 2 and half["mlp"] == dense["mlp"] / 2
+    assert half["attn_scores"] == dense["attn_scores"] / 4  # a compressed sequence: quadratic
+    assert half["head"] == dense["head"] and half["nag_modulator"] == dense["nag_modulator"]  # every token
+    # one sublayer at a time: attention 1 at 0.25 only removes its own share
+    one = flops.forward_flops(config, [0.25, 1, 1, 1])
+    assert one["attn_proj"] == dense["attn_proj"] * (0.25 + 1) / 2
+    assert one["attn_scores"] == dense["attn_scores"] * (0.25 ** 2 + 1) / 2
+    assert one["mlp"] == dense["mlp"]
+    assert flops.train_flops_per_token(config, [0.5] * 4) == 3 * sum(half.values())
+    with pytest.raises(ValueError, match="one per sublayer"):
+        flops.forward_flops(config, [1.0] * 3)
+
+
+@pytest.mark.parametrize("residual, blocks", [("attnres", None), ("block_attnres", 3), ("block_attnres", None)])
+def test_attnres_sources_follow_the_model(residual, blocks, monkeypatch):
+    """The sources counted per sublayer and head are those the model's depth attention receives."""
+    import model as model_module
+    seen, real = [], model_module.depth_attention
+    monkeypatch.setattr(model_module, "depth_attention",
+                        lambda sources, *a, **k: seen.append(len(sources)) or real(sources, *a, **k))
+    config = GPTConfig(block_size=8, vocab_size=65, n_layer=4, n_head=2, n_embd=32, residual=residual,
+                       attnres_blocks=blocks)
+    GPT(config)(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
+    counts = flops.attnres_sources(config)
+    assert counts[0] == 0 and counts[1:] == seen  # sublayer 1 reads the embedding without mixing
+    if blocks == 3:  # 2L = 8 in blocks of 3, 3, 2 (SPEC §2)
+        assert counts == [0, 2, 2, 2, 3, 3, 3, 4, 4]
+
+
+def test_count_params_matches_the_model():
+    config = GPTConfig(block_size=32, vocab_size=65, n_layer=2, n_head=2, n_embd=32, residual="nag")
+    model = GPT(config)
+    assert flops.count_params(config) == (model.get_num_params(False), model.get_num_params())
+
+
+@pytest.mark.parametrize("budget", [1e10, 3.3e12, 3e15])
+def test_budget_arithmetic(budget):
+    tpi = 12 * 64
+    per_token = {L: flops.train_flops_per_token(
+        GPTConfig(block_size=64, vocab_size=65, n_layer=L, n_head=4, n_embd=128)) for L in (2, 8)}
+    iters = {L: flops.iterations_for_budget(budget, f, tpi) for L, f in per_token.items()}
+    for L, f in per_token.items():
+        assert abs(iters[L] * tpi * f - budget) <= tpi * f  # within one iteration of the budget
+    # a deeper model gets proportionally fewer tokens (to within an iteration each)
+    tokens = {L: iters[L] * tpi for L in iters}
+    assert tokens[2] * per_token[2] == pytest.approx(tokens[8] * per_token[8], abs=tpi * per_token[8])
+    assert tokens[8] < tokens[2]
+
+
+@pytest.mark.parametrize("budget", [0, -1e12, "lots", True])
+def test_bad_budget_is_a_config_error(budget):
+    with pytest.raises(ConfigError, match="positive number"):
+        flops.iterations_for_budget(budget, 1e6, 768)
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H200", 989e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA L4", 121e12), ("NVIDIA L40S", 362e12),
+    ("NVIDIA GeForce RTX 4090", 165e12), ("NVIDIA A10", 125e12)])
+def test_mfu_known_gpu(name, peak):
+    assert flops.peak_flops(name) == peak
+    assert flops.mfu(6e8, 1e5, name) == pytest.approx(6e8 * 1e5 / peak)
+    assert flops.mfu(6e8, 1e5, name, n_devices=8) == pytest.approx(6e8 * 1e5 / (8 * peak))
+
+
+@pytest.mark.parametrize("name", ["Tesla K80", "NVIDIA GeForce GTX 1080", "NVIDIA A10G", "AMD Instinct MI300X", None, ""])
+def test_mfu_unknown_gpu(name):
+    assert flops.peak_flops(name) is None
+    assert flops.mfu(6e8, 1e5, name) is None  # unknown: never a guess
+
+
+def test_train_max_flops(data_dir, tmp_path):
+    args = dict(dataset="shakespeare_char", data_dir=data_dir, out_dir=tmp_path / "out", device="cpu",
+                dtype="float32", n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4,
+                gradient_accumulation_steps=1, eval_iters=1, eval_interval=4, warmup_iters=1, max_iters=1000,
+                lr_decay_iters=1000, compile=False)
+    config = GPTConfig(vocab_size=65, **{k: args[k] for k in ("n_layer", "n_head", "n_embd", "block_size")})
+    per_token, tpi = flops.train_flops_per_token(config), 4 * 32
+    budget = 10.2 * per_token * tpi
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng():
+            train.main([f"--{k}={v}" for k, v in args.items()] + [f"--max_flops={budget}"])
+    finally:
+        torch.set_num_threads(threads)
+    log = [json.loads(line) for line in open(tmp_path / "out" / "log.jsonl")]
+    assert [r["iter"] for r in log] == [0, 4, 8, 10]  # the budget buys 10 iterations, not max_iters=1000
+    assert log[-1]["flops"] == pytest.approx(10 * tpi * per_token)
+    assert log[-1]["lr"] == pytest.approx(6e-4 / 10, rel=1e-6)  # lr_decay_iters followed max_iters: min_lr at the end
+    assert all(r["mfu"] is None for r in log)  # CPU
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "config").glob("sweep_*.py")), ids=lambda p: p.name)
+def test_shipped_sweep_configs_are_valid(path):
+    sw = configure([str(path)], flops.SWEEP_DEFAULTS)
+    cfg = configure([str(REPO / sw["train_config"]), *sw["train_args"]], train.DEFAULTS)
+    for L in sw["depths"]:
+        for r in sw["residuals"]:
+            GPTConfig(vocab_size=65, **{**{k: cfg[k] for k in ("n_head", "n_embd", "block_size")},
+                                        "n_layer": L, "residual": r})
+
+
+def test_sweep_resumes_and_reports_failures(data_dir, tmp_path, capsys):
+    base = tmp_path / "tiny.py"
+    base.write_text(f"dataset = 'shakespeare_char'\ndata_dir = {str(data_dir)!r}\ndevice = 'cpu'\n"
+                    "dtype = 'float32'\nn_head = 2\nn_embd = 32\nblock_size = 32\nbatch_size = 4\n"
+                    "gradient_accumulation_steps = 1\neval_iters = 1\neval_interval = 2\nwarmup_iters = 1\n"
+                    "max_iters = 1000\nlog_interval = 1\n")
+    per_token = flops.train_flops_per_token(GPTConfig(vocab_size=65, n_layer=1, n_head=2, n_embd=32, block_size=32))
+    # n_layer=0 is a config error: that run fails and the sweep goes on
+    argv = [f"--train_config={base}", f"--out_root={tmp_path}", "--sweep_name=s", "--residuals=['prenorm']",
+            "--depths=[0, 1, 2]", f"--budget={3 * per_token * 4 * 32}", "--mod_runs=[('nag', 'nag', 0.25)]"]
+    rows = flops.run_sweep(argv)
+    out = capsys.readouterr().out
+    if "mod" not in GPTConfig.__dataclass_fields__:
+        assert "notice: skipping nag with mod=nag" in out and len(rows) == 3  # MoD runs are not faked
+    assert [r["status"] for r in rows] == ["failed", "done", "done"]
+    assert rows[1]["iters"] == 3 and rows[2]["iters"] < rows[1]["iters"]  # the deeper run buys fewer iterations
+    root = tmp_path / "s"
+    for name in ("results.csv", "results.md", "results.png"):
+        assert (root / name).stat().st_size > 0
+    with open(root / "results.csv") as f:
+        assert [r["status"] for r in csv.DictReader(f)] == ["failed", "done", "done"]
+    assert "| prenorm_L0 | prenorm | 0 | - | 0 | failed |" in (root / "results.md").read_text()
+
+    # the sweep is killed during prenorm_L2: it left a checkpoint but no `done` marker
+    os.remove(root / "prenorm_L2" / "done")
+    finished = (root / "prenorm_L1" / "log.jsonl").read_text()
+    rows = flops.run_sweep(argv)
+    out = capsys.readouterr().out
+    assert "prenorm_L1: already finished, skipped" in out
+    assert "prenorm_L2: done" in out and "prenorm_L0: failed" in out  # unfinished and failed runs run again
+    assert (root / "prenorm_L1" / "log.jsonl").read_text() == finished
+    assert (root / "prenorm_L1" / "stdout.txt").read_text().count("max_flops") == 1  # trained once
+    assert "resuming from" in (root / "prenorm_L2" / "stdout.txt").read_text()
+    assert [r["status"] for r in rows] == ["failed", "done", "done"]
