@@ -421,7 +421,7 @@ def main(argv):
                     dist.destroy_process_group()
                 raise Interrupted(f"interrupted by {signal.Signals(signum).name} before iteration {iter_num}; "
                                   f"checkpoint in {ckpt_path}. Resume with: "
-                                  f"{resume_command(argv, cfg['out_dir'], world)}", signum)
+                                  f"{resume_command(argv, cfg['out_dir'], world)}" if master else "", signum)
 
             # one optimizer step over `accum` micro-steps; gradients sync only on the last one
             for micro in range(accum):
@@ -482,5 +482,6 @@ if __name__ == "__main__":
     except (ConfigError, TrainingStopped) as e:
         sys.exit(f"error: {e}")
     except Interrupted as e:
-        print(e, file=sys.stderr)
+        if str(e):  # rank 0 only
+            print(e, file=sys.stderr)
         sys.exit(128 + e.signum)  # the shell's convention: 130 for SIGINT, 143 for SIGTERM

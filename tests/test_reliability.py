@@ -102,6 +102,34 @@ def test_ctrl_c_from_the_command_line(data_dir, tmp_path):
     assert load_ckpt(out)["iter_num"] == it + 1
 
 
+def test_ddp_sigterm_all_ranks_stop_rank_0_saves_and_resume_works(data_dir, tmp_path):
+    """SIGTERM to torchrun (as a cluster scheduler sends it): torchrun forwards it to both ranks, they agree
+    on the step to stop at, rank 0 alone writes, and the printed torchrun command resumes."""
+    out = tmp_path / "out"
+    args = tiny_args(data_dir, out, max_iters=100_000, lr_decay_iters=100_000, eval_interval=100_000)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    p = subprocess.Popen([*torchrun, "train.py", *args], cwd=REPO, env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for line in p.stdout:
+        if line.startswith("iter 2:"):
+            break
+    p.send_signal(signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode != 0
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"]  # rank 0 alone wrote
+    lines = [x for x in stderr.splitlines() if "Resume with: " in x]
+    assert len(lines) == 1 and "interrupted by SIGTERM" in lines[0], stderr[-3000:]  # printed by rank 0 only
+    cmd = shlex.split(lines[0].split("Resume with: ")[1])
+    assert cmd[:4] == ["torchrun", "--standalone", "--nproc_per_node=2", "train.py"]
+    ckpt = load_ckpt(out)
+    it = ckpt["iter_num"]
+    assert it >= 3 and len(ckpt["rng"]) == 2
+    r = run([*torchrun, *cmd[3:], f"--max_iters={it + 1}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"at iter {it}" in r.stdout and load_ckpt(out)["iter_num"] == it + 1
+
+
 def test_interrupt_keeps_the_best_checkpoint(data_dir, tmp_path, in_process, at_batch):
     """With always_save_checkpoint=False ckpt.pt is the best model: an interrupt keeps it as ckpt_best.pt."""
     out = tmp_path / "out"
