@@ -212,6 +212,16 @@ def test_nan_step_is_not_applied(data_dir, tmp_path, in_process, nan_at):
         assert all(torch.equal(sa[k], sb[k]) for k in sa)  # ... not even Adam's moments or step count
 
 
+def test_fp16_bad_step_is_counted_once(data_dir, tmp_path, in_process, nan_at, capsys):
+    """With fp16 the grad scaler and our check see the same inf: one skipped step, one scale back-off."""
+    out = tmp_path / "out"
+    nan_at({3})
+    in_process(tiny_args(data_dir, out, dtype="float16", max_iters=4, max_bad_steps=2))
+    assert capsys.readouterr().out.count("step skipped (1 in a row") == 1
+    scaler = load_ckpt(out)["scaler"]
+    assert scaler["scale"] == 2.0 ** 16 * scaler["backoff_factor"]  # halved once from the initial 2^16
+
+
 @pytest.mark.parametrize("max_bad_steps, stop_iter, ckpt_iter", [(0, 3, 2), (3, 5, 4)])
 def test_too_many_bad_steps_stop_and_keep_the_checkpoint(max_bad_steps, stop_iter, ckpt_iter, data_dir, tmp_path,
                                                          in_process, nan_at):
