@@ -93,13 +93,8 @@ def test_ctrl_c_from_the_command_line(data_dir, tmp_path):
     last = stderr.strip().splitlines()[-1]
     assert "interrupted by SIGINT" in last and "Resume with: python train.py" in last
     assert f"--out_dir={out}" in last and last.endswith("--init_from=resume --out_dir=" + str(out))
-    it = train.load_checkpoint(str(out / "ckpt.pt"), torch.device("cpu"))["iter_num"]
-    assert it >= 3
-    # the printed command resumes (here for one more iteration)
-    r = run([sys.executable, *shlex.split(last.split("Resume with: ")[1])[1:], f"--max_iters={it + 1}"])
-    assert r.returncode == 0, r.stderr
-    assert f"resuming from {out / 'ckpt.pt'} at iter {it}" in r.stdout
-    assert load_ckpt(out)["iter_num"] == it + 1
+    # a loadable checkpoint past the last step printed (the printed command is run in the tests above and below)
+    assert train.load_checkpoint(str(out / "ckpt.pt"), torch.device("cpu"))["iter_num"] >= 3
 
 
 def test_ddp_sigterm_all_ranks_stop_rank_0_saves_and_resume_works(data_dir, tmp_path):
@@ -163,7 +158,7 @@ def test_kill_9_mid_save_leaves_the_previous_checkpoint(tmp_path):
     script = tmp_path / "saver.py"
     script.write_text(SAVER.format(repo=str(REPO)))
     rng, torn_tmp = random.Random(0), 0
-    for _ in range(4):
+    for _ in range(3):
         p = subprocess.Popen([sys.executable, str(script), str(path)], stdout=subprocess.PIPE, text=True,
                              env=dict(os.environ, OMP_NUM_THREADS="1"))
         start = int(p.stdout.readline())  # one save has completed (also after an earlier kill)
@@ -323,10 +318,13 @@ def test_random_valid_configs_train(d, batch):
         return
     with torch.random.fork_rng():
         torch.manual_seed(0)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # tiny ops: one thread is faster on a shared box
         model = GPT(config)
         idx = torch.randint(0, 65, (batch, config.block_size))
         _, loss = model(idx, torch.roll(idx, -1, 1))
         loss.backward()
+        torch.set_num_threads(threads)
     assert torch.isfinite(loss)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
