@@ -16,6 +16,7 @@ import math
 import os
 import pickle
 import shlex
+import shutil
 import signal
 import sys
 import time
@@ -70,7 +71,6 @@ DEFAULTS = dict(
 )
 MODEL_KEYS = [f.name for f in fields(GPTConfig) if f.name != "vocab_size"]  # vocab comes from the data
 DEFAULTS.update({f.name: f.default for f in fields(GPTConfig) if f.name != "vocab_size"})
-
 
 
 class TrainingStopped(RuntimeError):
@@ -200,11 +200,11 @@ class StopSignals:
                   file=sys.stderr, flush=True)
         self.signum = signum  # repeats (torchrun forwards the terminal's Ctrl-C again) change nothing
 
-    def __enter__(self):
+    def install(self):
         self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
         return self
 
-    def __exit__(self, *exc):
+    def restore(self):
         for s, handler in self.previous.items():
             signal.signal(s, handler)
 
@@ -363,113 +363,118 @@ def main(argv):
     t_last, iters_since, train_time = time.time(), 0, 0.0
     lossf = float("nan")
     bad_steps = 0  # consecutive optimizer steps skipped for non-finite gradients
-    stop = StopSignals()
-    with stop:
-        while True:
-            lr = get_lr(iter_num)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            is_eval = iter_num % cfg["eval_interval"] == 0 or iter_num == cfg["max_iters"]
-            if is_eval and (iter_num != start_iter or start_iter == 0 or cfg["eval_only"]):
-                rngs = all_rng_states()
-                if master:
-                    losses = estimate_loss()
-                    ms = 1000 * train_time / max(iters_since, 1)
-                    record = {"iter": iter_num, "tokens": iter_num * tokens_per_iter,
-                              "train_loss": round(losses["train"], 6), "val_loss": round(losses["val"], 6),
-                              "lr": lr, "ms_per_iter": round(ms, 2),
-                              "tokens_per_s": round(tokens_per_iter / (ms / 1000), 1) if iters_since else None}
-                    if cfg["diagnose"]:
-                        X, _ = get_batch(paths["val"], cfg["batch_size"], cfg["block_size"],
-                                         torch.Generator().manual_seed(EVAL_SEED), device)
-                        with autocast:
-                            record["diagnostics"] = raw_model.diagnostics(X)
-                        record["residual"] = cfg["residual"]
-                    print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-                    with open(log_path, "a") as f:
-                        f.write(json.dumps(record) + "\n")
-                    improved = losses["val"] < best_val_loss
-                    best_val_loss = min(best_val_loss, losses["val"])
-                    if iter_num > 0 and (improved or cfg["always_save_checkpoint"]):
-                        save(rngs)
-                train_time, iters_since = 0.0, 0
-                t_last = time.time()
-            if iter_num >= cfg["max_iters"] or cfg["eval_only"]:
-                break
-
-            # a step boundary: the state is exactly "before iteration iter_num", so a checkpoint now
-            # resumes bit-for-bit (data and LR depend only on iter_num). Under DDP every rank must
-            # stop at the same iteration: one tiny all_reduce per step.
-            signum = stop.signum
-            if ddp:
-                flag = torch.tensor([signum], device=device)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                signum = int(flag.item())
-            if signum:
-                rngs = all_rng_states()
-                if master:
-                    # the interrupt checkpoint is the resume point, so it goes to ckpt.pt; when only
-                    # improvements are saved, ckpt.pt holds the best model so far: keep it as ckpt_best.pt
-                    if not cfg["always_save_checkpoint"] and os.path.exists(ckpt_path):
-                        best_path = os.path.join(cfg["out_dir"], "ckpt_best.pt")
-                        with contextlib.suppress(FileNotFoundError):
-                            os.remove(best_path)
-                        os.link(ckpt_path, best_path)  # a hard link: instant, and ckpt.pt stays in place
-                    save(rngs)
-                if ddp:
-                    dist.barrier()
-                    dist.destroy_process_group()
-                raise Interrupted(f"interrupted by {signal.Signals(signum).name} before iteration {iter_num}; "
-                                  f"checkpoint in {ckpt_path}. Resume with: "
-                                  f"{resume_command(argv, cfg['out_dir'], world)}" if master else "", signum)
-
-            # one optimizer step over `accum` micro-steps; gradients sync only on the last one
-            for micro in range(accum):
-                X, Y = get_batch(paths["train"], cfg["batch_size"], cfg["block_size"],
-                                 batch_generator(cfg["seed"], iter_num, rank * accum + micro), device)
-                sync = contextlib.nullcontext() if (not ddp or micro == accum - 1) else model.no_sync()
-                with sync:
+    stop = StopSignals().install()  # restored when the loop ends (normally, by a signal or by NaNs)
+    while True:
+        lr = get_lr(iter_num)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        is_eval = iter_num % cfg["eval_interval"] == 0 or iter_num == cfg["max_iters"]
+        if is_eval and (iter_num != start_iter or start_iter == 0 or cfg["eval_only"]):
+            rngs = all_rng_states()
+            if master:
+                losses = estimate_loss()
+                ms = 1000 * train_time / max(iters_since, 1)
+                record = {"iter": iter_num, "tokens": iter_num * tokens_per_iter,
+                          "train_loss": round(losses["train"], 6), "val_loss": round(losses["val"], 6),
+                          "lr": lr, "ms_per_iter": round(ms, 2),
+                          "tokens_per_s": round(tokens_per_iter / (ms / 1000), 1) if iters_since else None}
+                if cfg["diagnose"]:
+                    X, _ = get_batch(paths["val"], cfg["batch_size"], cfg["block_size"],
+                                     torch.Generator().manual_seed(EVAL_SEED), device)
                     with autocast:
-                        _, loss = model(X, Y)
-                        loss = loss / accum
-                    scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)  # a no-op without fp16; the norm below must be of the true gradients
-            params = [p for p in model.parameters() if p.grad is not None]
-            if cfg["grad_clip"] > 0:
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip"])
-            else:
-                grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-            # one check covers a NaN/inf loss too (its gradients are NaN). Gradients are already
-            # all-reduced, so every DDP rank takes the same decision. With fp16 this replaces the
-            # scaler's own skip (not added to it): update() still lowers the scale after a bad step.
-            if torch.isfinite(grad_norm).item():
-                scaler.step(optimizer)
-                bad_steps = 0
-            else:
-                bad_steps += 1
-                if master:
-                    print(f"iter {iter_num}: non-finite loss or gradients, step skipped "
-                          f"({bad_steps} in a row, max_bad_steps={cfg['max_bad_steps']})")
-                if bad_steps >= max(1, cfg["max_bad_steps"]):
-                    if ddp:
-                        dist.destroy_process_group()
-                    raise TrainingStopped(
-                        f"non-finite loss or gradients for {bad_steps} consecutive steps, the last at "
-                        f"iteration {iter_num}: stopped; the last good checkpoint {ckpt_path} is kept. "
-                        f"Lower --learning_rate or --grad_clip and resume with --init_from=resume")
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+                        record["diagnostics"] = raw_model.diagnostics(X)
+                    record["residual"] = cfg["residual"]
+                print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+                with open(log_path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+                improved = losses["val"] < best_val_loss
+                best_val_loss = min(best_val_loss, losses["val"])
+                if iter_num > 0 and (improved or cfg["always_save_checkpoint"]):
+                    save(rngs)
+            train_time, iters_since = 0.0, 0
+            t_last = time.time()
+        if iter_num >= cfg["max_iters"] or cfg["eval_only"]:
+            break
 
-            t_now = time.time()
-            dt, t_last = t_now - t_last, t_now
-            train_time += dt
-            iters_since += 1
-            if iter_num % cfg["log_interval"] == 0 and master:
-                lossf = loss.item() * accum  # .item() syncs with the GPU, so only every log_interval
-                print(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, lr {lr:.2e}, "
-                      f"{tokens_per_iter / dt:,.0f} tok/s")
-            iter_num += 1
+        # a step boundary: the state is exactly "before iteration iter_num", so a checkpoint now
+        # resumes bit-for-bit (data and LR depend only on iter_num). Under DDP every rank must
+        # stop at the same iteration: one tiny all_reduce per step.
+        signum = stop.signum
+        if ddp:
+            flag = torch.tensor([signum], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            signum = int(flag.item())
+        if signum:
+            rngs = all_rng_states()
+            if master:
+                # the interrupt checkpoint is the resume point, so it goes to ckpt.pt; when only
+                # improvements are saved, ckpt.pt holds the best model so far: keep it as ckpt_best.pt
+                if not cfg["always_save_checkpoint"] and os.path.exists(ckpt_path):
+                    best_path = os.path.join(cfg["out_dir"], "ckpt_best.pt")
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(best_path)
+                    try:
+                        os.link(ckpt_path, best_path)  # a hard link: instant, and ckpt.pt stays in place
+                    except OSError:  # a file system without hard links
+                        shutil.copyfile(ckpt_path, best_path)
+                save(rngs)
+            stop.restore()  # only now: a repeated signal must not break off the save
+            if ddp:
+                dist.barrier()
+                dist.destroy_process_group()
+            raise Interrupted(f"interrupted by {signal.Signals(signum).name} before iteration {iter_num}; "
+                              f"checkpoint in {ckpt_path}. Resume with: "
+                              f"{resume_command(argv, cfg['out_dir'], world)}" if master else "", signum)
 
+        # one optimizer step over `accum` micro-steps; gradients sync only on the last one
+        for micro in range(accum):
+            X, Y = get_batch(paths["train"], cfg["batch_size"], cfg["block_size"],
+                             batch_generator(cfg["seed"], iter_num, rank * accum + micro), device)
+            sync = contextlib.nullcontext() if (not ddp or micro == accum - 1) else model.no_sync()
+            with sync:
+                with autocast:
+                    _, loss = model(X, Y)
+                    loss = loss / accum
+                scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)  # a no-op without fp16; the norm below must be of the true gradients
+        params = [p for p in model.parameters() if p.grad is not None]
+        if cfg["grad_clip"] > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip"])
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        # one check covers a NaN/inf loss too (its gradients are NaN). Gradients are already
+        # all-reduced, so every DDP rank takes the same decision. With fp16 this replaces the
+        # scaler's own skip (not added to it): update() still lowers the scale after a bad step.
+        if torch.isfinite(grad_norm).item():
+            scaler.step(optimizer)
+            bad_steps = 0
+        else:
+            bad_steps += 1
+            if master:
+                print(f"iter {iter_num}: non-finite loss or gradients, step skipped "
+                      f"({bad_steps} in a row, max_bad_steps={cfg['max_bad_steps']})")
+            if bad_steps >= max(1, cfg["max_bad_steps"]):
+                stop.restore()
+                if ddp:
+                    dist.destroy_process_group()
+                raise TrainingStopped(
+                    f"non-finite loss or gradients for {bad_steps} consecutive steps, the last at "
+                    f"iteration {iter_num}: stopped; the last good checkpoint {ckpt_path} is kept. "
+                    f"Lower --learning_rate or --grad_clip and resume with --init_from=resume")
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+        t_now = time.time()
+        dt, t_last = t_now - t_last, t_now
+        train_time += dt
+        iters_since += 1
+        if iter_num % cfg["log_interval"] == 0 and master:
+            lossf = loss.item() * accum  # .item() syncs with the GPU, so only every log_interval
+            print(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, lr {lr:.2e}, "
+                  f"{tokens_per_iter / dt:,.0f} tok/s")
+        iter_num += 1
+
+    stop.restore()
     if ddp:  # wait for rank 0's last eval and checkpoint: a rank leaving early can abort gloo's teardown
         dist.barrier()
         dist.destroy_process_group()

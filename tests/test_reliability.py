@@ -141,36 +141,50 @@ def test_interrupt_keeps_the_best_checkpoint(data_dir, tmp_path, in_process, at_
 # kill -9 at any moment, including mid-save, leaves a loadable checkpoint
 
 SAVER = """
-import sys, torch
+import os, sys, time, torch
 sys.path.insert(0, {repo!r})
 import train
+real_fsync = os.fsync
+
+def slow_fsync(fd):  # a slow disk: the parent can kill us while the temp file is written but not renamed
+    real_fsync(fd)
+    print("fsync", flush=True)
+    time.sleep(0.02)
+os.fsync = slow_fsync
 i = 0
 while True:  # 8 MB checkpoints back to back: a kill almost always lands inside save_checkpoint
     i += 1
     train.save_checkpoint({{"model": {{"w": torch.full((2_000_000,), float(i))}}, "model_args": {{}},
                            "iter_num": i}}, sys.argv[1])
-    print(i, flush=True)
+    print("saved", i, flush=True)
 """
 
 
 def test_kill_9_mid_save_leaves_the_previous_checkpoint(tmp_path):
-    path = tmp_path / "ckpt.pt"
+    path, tmp = tmp_path / "ckpt.pt", tmp_path / "ckpt.pt.tmp"
     script = tmp_path / "saver.py"
     script.write_text(SAVER.format(repo=str(REPO)))
-    rng, torn_tmp = random.Random(0), 0
-    for _ in range(3):
+    rng = random.Random(0)
+    for round in range(3):
         p = subprocess.Popen([sys.executable, str(script), str(path)], stdout=subprocess.PIPE, text=True,
                              env=dict(os.environ, OMP_NUM_THREADS="1"))
-        start = int(p.stdout.readline())  # one save has completed (also after an earlier kill)
-        time.sleep(rng.uniform(0.0, 0.5))
+        lines = []
+        while not lines or lines[-1][0] != "saved":  # one save has completed (also after an earlier kill)
+            lines.append(p.stdout.readline().split())
+        if round == 0:  # kill inside the next save, after its temp file is written: deterministic
+            while lines[-1] != ["fsync"]:
+                lines.append(p.stdout.readline().split())
+        else:  # kill at a random moment
+            time.sleep(rng.uniform(0.0, 0.5))
         p.kill()
         p.wait()
-        done = max([start] + [int(x) for x in p.stdout.read().split()])
-        torn_tmp += (tmp_path / "ckpt.pt.tmp").exists()
+        if round == 0:
+            assert tmp.exists()  # the kill really did land mid-save
+        lines += [x.split() for x in p.stdout.read().splitlines()]
+        done = max(int(x[1]) for x in lines if x and x[0] == "saved")
         ckpt = train.load_checkpoint(str(path), torch.device("cpu"))
         assert ckpt["iter_num"] in (done, done + 1)  # + 1: renamed but not yet printed
         assert torch.equal(ckpt["model"]["w"], torch.full((2_000_000,), float(ckpt["iter_num"])))
-    assert torn_tmp > 0  # some kills really did land mid-write
 
 
 # -----------------------------------------------------------------------------
