@@ -57,11 +57,13 @@ def test_signal_mid_step_checkpoints_and_resume_is_exact(data_dir, tmp_path, in_
     in_process(tiny_args(data_dir, straight, dropout=0.1))  # 8 iterations, evals every 2
 
     out = tmp_path / "out"
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     # a real SIGTERM, delivered between the two micro-steps of iteration 4 (dropout on: the RNG matters)
     at_batch(lambda it, micro: os.kill(os.getpid(), signal.SIGTERM) if (it, micro) == (4, 1) else None)
     with pytest.raises(train.Interrupted) as e:
         in_process(tiny_args(data_dir, out, dropout=0.1))
     assert e.value.signum == signal.SIGTERM
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers  # given back
     ckpt = load_ckpt(out)
     assert ckpt["iter_num"] == 5  # iteration 4 finished, then the checkpoint, before iteration 5
     assert [r["iter"] for r in read_log(out)] == [0, 2, 4]
@@ -239,6 +241,7 @@ def test_too_many_bad_steps_stop_and_keep_the_checkpoint(max_bad_steps, stop_ite
     with pytest.raises(train.TrainingStopped) as e:
         in_process(tiny_args(data_dir, out, max_bad_steps=max_bad_steps))
     message = str(e.value)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers were given back
     assert f"iteration {stop_iter}" in message and "--init_from=resume" in message and "\n" not in message
     ckpt = train.load_checkpoint(str(out / "ckpt.pt"), torch.device("cpu"))
     assert ckpt["iter_num"] == ckpt_iter
