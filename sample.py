@@ -75,7 +75,11 @@ def main(argv):
             with open(start[5:], "r", encoding="utf-8") as f:
                 start = f.read()
         except OSError as e:
-            raise ConfigError(f"cannot read the prompt file {start[5:]!r}: {e.strerror}") from None
+            raise ConfigError(f"cannot read the prompt file {start[5:]!r}: {e.strerror}; "
+                              f"pass --start=FILE:path of a readable text file") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"the prompt file {start[5:]!r} is not UTF-8 text; "
+                              f"pass --start=FILE:path of a UTF-8 text file") from None
     ids = encode(start)
     if not ids:
         raise ConfigError("the prompt is empty: pass --start=TEXT or --start=FILE:path")

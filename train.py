@@ -7,6 +7,7 @@ DDP, 8 GPUs on one node (gloo instead of NCCL when there is no GPU):
     torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2_owt.py
 Resume the run in out_dir:
     python train.py config/shakespeare_char_cpu.py --init_from=resume
+Ctrl-C (SIGINT) or SIGTERM checkpoints at the next step boundary and prints the resume command.
 """
 
 import contextlib
@@ -14,6 +15,9 @@ import json
 import math
 import os
 import pickle
+import shlex
+import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, fields
@@ -55,6 +59,7 @@ DEFAULTS = dict(
     beta1=0.9,
     beta2=0.95,
     grad_clip=1.0,  # 0 disables
+    max_bad_steps=10,  # stop after this many consecutive steps with non-finite gradients (0 or 1: the first)
     # cosine LR schedule with linear warmup
     decay_lr=True,
     warmup_iters=2000,
@@ -68,6 +73,18 @@ DEFAULTS = dict(
 )
 MODEL_KEYS = [f.name for f in fields(GPTConfig) if f.name != "vocab_size"]  # vocab comes from the data
 DEFAULTS.update({f.name: f.default for f in fields(GPTConfig) if f.name != "vocab_size"})
+
+
+class TrainingStopped(RuntimeError):
+    """Training cannot go on (e.g. the loss keeps being NaN); the message is one line that names the fix."""
+
+
+class Interrupted(Exception):
+    """SIGINT / SIGTERM: a checkpoint was written; the message says how to resume."""
+
+    def __init__(self, message, signum):
+        super().__init__(message)
+        self.signum = signum
 
 
 # -----------------------------------------------------------------------------
@@ -124,6 +141,12 @@ def save_checkpoint(obj, path):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    if hasattr(os, "O_DIRECTORY"):  # make the rename itself survive a power cut
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def load_checkpoint(path, device):
@@ -156,6 +179,36 @@ def rng_state(device):
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
+
+
+def resume_command(argv, out_dir, world):
+    """The command line that continues this run: the same arguments, resuming from out_dir."""
+    args = [a for a in argv if not a.startswith(("--init_from=", "--out_dir="))]
+    args += ["--init_from=resume", f"--out_dir={out_dir}"]
+    launcher = ["python"] if world == 1 else ["torchrun", "--standalone", f"--nproc_per_node={world}"]
+    return shlex.join(launcher + ["train.py"] + args)
+
+
+class StopSignals:
+    """While active, SIGINT and SIGTERM only set a flag: the loop checkpoints at the next step boundary
+    (never inside the handler, where the model may be half-updated) and then exits."""
+
+    def __init__(self):
+        self.signum = 0
+
+    def _handle(self, signum, frame):
+        if not self.signum:
+            print(f"got {signal.Signals(signum).name}: saving a checkpoint after this step, then exiting",
+                  file=sys.stderr, flush=True)
+        self.signum = signum  # repeats (torchrun forwards the terminal's Ctrl-C again) change nothing
+
+    def install(self):
+        self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def restore(self):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
 
 
 # -----------------------------------------------------------------------------
@@ -298,23 +351,36 @@ def main(argv):
         raw_model.train()
         return out
 
+    def all_rng_states():
+        """Every rank's RNG state (a collective under DDP), so that resume restores each one."""
+        rngs = rng_state(device)
+        if not ddp:
+            return [rngs]
+        gathered = [None] * world
+        dist.all_gather_object(gathered, rngs)
+        return gathered
+
+    def save(rngs):
+        save_checkpoint({
+            "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict(), "model_args": asdict(gptconf),
+            "iter_num": iter_num, "best_val_loss": best_val_loss, "config": cfg, "rng": rngs,
+        }, ckpt_path)
+        print(f"saved checkpoint to {ckpt_path}")
+
     # --- the loop: evaluate (and checkpoint) before iteration iter_num; train it; repeat
     start_iter = iter_num
     t_last, iters_since, train_time = time.time(), 0, 0.0
     lossf = float("nan")
+    bad_steps = 0  # consecutive optimizer steps skipped for non-finite gradients
+    stop = StopSignals().install()  # restored when the loop ends (normally, by a signal or by NaNs)
     while True:
         lr = get_lr(iter_num)
         for group in optimizer.param_groups:
             group["lr"] = lr
         is_eval = iter_num % cfg["eval_interval"] == 0 or iter_num == cfg["max_iters"]
         if is_eval and (iter_num != start_iter or start_iter == 0 or cfg["eval_only"]):
-            rngs = rng_state(device)
-            if ddp:  # every rank's RNG goes into the checkpoint so resume restores each one
-                gathered = [None] * world
-                dist.all_gather_object(gathered, rngs)
-                rngs = gathered
-            else:
-                rngs = [rngs]
+            rngs = all_rng_states()
             if master:
                 losses = estimate_loss()
                 ms = 1000 * train_time / max(iters_since, 1)
@@ -336,16 +402,41 @@ def main(argv):
                 improved = losses["val"] < best_val_loss
                 best_val_loss = min(best_val_loss, losses["val"])
                 if iter_num > 0 and (improved or cfg["always_save_checkpoint"]):
-                    save_checkpoint({
-                        "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "scaler": scaler.state_dict(), "model_args": asdict(gptconf),
-                        "iter_num": iter_num, "best_val_loss": best_val_loss, "config": cfg, "rng": rngs,
-                    }, ckpt_path)
-                    print(f"saved checkpoint to {ckpt_path}")
+                    save(rngs)
             train_time, iters_since = 0.0, 0
             t_last = time.time()
         if iter_num >= cfg["max_iters"] or cfg["eval_only"]:
             break
+
+        # a step boundary: the state is exactly "before iteration iter_num", so a checkpoint now
+        # resumes bit-for-bit (data and LR depend only on iter_num). Under DDP every rank must
+        # stop at the same iteration: one tiny all_reduce per step.
+        signum = stop.signum
+        if ddp:
+            flag = torch.tensor([signum], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            signum = int(flag.item())
+        if signum:
+            rngs = all_rng_states()
+            if master:
+                # the interrupt checkpoint is the resume point, so it goes to ckpt.pt; when only
+                # improvements are saved, ckpt.pt holds the best model so far: keep it as ckpt_best.pt
+                if not cfg["always_save_checkpoint"] and os.path.exists(ckpt_path):
+                    best_path = os.path.join(cfg["out_dir"], "ckpt_best.pt")
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(best_path)
+                    try:
+                        os.link(ckpt_path, best_path)  # a hard link: instant, and ckpt.pt stays in place
+                    except OSError:  # a file system without hard links
+                        shutil.copyfile(ckpt_path, best_path)
+                save(rngs)
+            stop.restore()  # only now: a repeated signal must not break off the save
+            if ddp:
+                dist.barrier()
+                dist.destroy_process_group()
+            raise Interrupted(f"interrupted by {signal.Signals(signum).name} before iteration {iter_num}; "
+                              f"checkpoint in {ckpt_path}. Resume with: "
+                              f"{resume_command(argv, cfg['out_dir'], world)}" if master else "", signum)
 
         # one optimizer step over `accum` micro-steps; gradients sync only on the last one
         for micro in range(accum):
@@ -357,10 +448,31 @@ def main(argv):
                     _, loss = model(X, Y)
                     loss = loss / accum
                 scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)  # a no-op without fp16; the norm below must be of the true gradients
+        params = [p for p in model.parameters() if p.grad is not None]
         if cfg["grad_clip"] > 0:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
-        scaler.step(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip"])
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        # one check covers a NaN/inf loss too (its gradients are NaN). Gradients are already
+        # all-reduced, so every DDP rank takes the same decision. With fp16 this replaces the
+        # scaler's own skip (not added to it): update() still lowers the scale after a bad step.
+        if torch.isfinite(grad_norm).item():
+            scaler.step(optimizer)
+            bad_steps = 0
+        else:
+            bad_steps += 1
+            if master:
+                print(f"iter {iter_num}: non-finite loss or gradients, step skipped "
+                      f"({bad_steps} in a row, max_bad_steps={cfg['max_bad_steps']})")
+            if bad_steps >= max(1, cfg["max_bad_steps"]):
+                stop.restore()
+                if ddp:
+                    dist.destroy_process_group()
+                raise TrainingStopped(
+                    f"non-finite loss or gradients for {bad_steps} consecutive steps, the last at "
+                    f"iteration {iter_num}: stopped; the last good checkpoint {ckpt_path} is kept. "
+                    f"Lower --learning_rate or --grad_clip and resume with --init_from=resume")
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
 
@@ -374,6 +486,7 @@ def main(argv):
                   f"{tokens_per_iter / dt:,.0f} tok/s")
         iter_num += 1
 
+    stop.restore()
     if ddp:  # wait for rank 0's last eval and checkpoint: a rank leaving early can abort gloo's teardown
         dist.barrier()
         dist.destroy_process_group()
@@ -383,5 +496,9 @@ def main(argv):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except ConfigError as e:
+    except (ConfigError, TrainingStopped) as e:
         sys.exit(f"error: {e}")
+    except Interrupted as e:
+        if str(e):  # rank 0 only
+            print(e, file=sys.stderr)
+        sys.exit(128 + e.signum)  # the shell's convention: 130 for SIGINT, 143 for SIGTERM

@@ -346,13 +346,17 @@ def test_resume_matches_straight_run(dropout, runs, data_dir, tmp_path):
 
 def test_ddp_matches_single_process(base_run, data_dir, tmp_path):
     """2 gloo processes x 1 micro-step == 1 process x 2 micro-steps: the same global batch, so the
-    same losses up to the order of the gradient sum (tolerance TOL = 1e-5)."""
+    same losses up to the order of the gradient sum (tolerance TOL = 1e-5), also across a DDP resume."""
     out = tmp_path / "ddp"
     args = tiny_args(data_dir, out)  # gradient_accumulation_steps=2, as in base_run
-    r = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-             "train.py", *args])
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
+    # half the run, then a DDP resume of the rest: together they must equal the straight run
+    r = run([*torchrun, *tiny_args(data_dir, out, max_iters=4)])
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     assert "2 process(es) x 1 micro-steps" in r.stdout
+    r = run([*torchrun, *args, "--init_from=resume"])
+    assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    assert "resuming from" in r.stdout and "iter 4" in r.stdout
     assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"]  # written by rank 0 alone
     ddp, single = read_log(out), read_log(base_run)
     assert [x["iter"] for x in ddp] == [x["iter"] for x in single] == [0, 2, 4, 6, 8]

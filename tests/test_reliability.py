@@ -1,0 +1,365 @@
+"""Faults that must never lose a run: signals, kill -9 mid-save, NaN steps, bad input, random configs.
+
+Helpers and the in-process fixture come from test_train.py; runs are tiny and on CPU.
+"""
+import os
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import fields
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import model as model_module
+import train
+from model import GPT, GPTConfig
+from test_train import (REPO, TOL, assert_one_line_error, in_process, load_ckpt, read_log, run,  # noqa: F401
+                        tiny_args, tiny_dataset)
+
+HAS_MOD = "mod" in {f.name for f in fields(GPTConfig)}  # Mixture-of-Depths lands in its own issue
+
+
+def assert_same_run(a_dir, b_dir, log_from=0):
+    """Two runs agree: every eval in log.jsonl (from index log_from) and the final weights."""
+    a, b = read_log(a_dir)[log_from:], read_log(b_dir)[log_from:]
+    assert [x["iter"] for x in a] == [x["iter"] for x in b]
+    for x, y in zip(a, b):
+        assert x["lr"] == pytest.approx(y["lr"], rel=1e-12)
+        assert abs(x["train_loss"] - y["train_loss"]) <= TOL and abs(x["val_loss"] - y["val_loss"]) <= TOL, (x, y)
+    wa, wb = load_ckpt(a_dir)["model"], load_ckpt(b_dir)["model"]
+    for k in wb:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-6)
+
+
+@pytest.fixture
+def at_batch(monkeypatch):
+    """at_batch(fn): call fn(iter_num, micro) whenever a training batch is drawn (a hook into the step)."""
+    def install(fn):
+        real = train.batch_generator
+
+        def hooked(seed, iter_num, micro):
+            fn(iter_num, micro)
+            return real(seed, iter_num, micro)
+        monkeypatch.setattr(train, "batch_generator", hooked)
+    return install
+
+
+# -----------------------------------------------------------------------------
+# signals: checkpoint at the next step boundary, exit non-zero, resume exactly
+
+def test_signal_mid_step_checkpoints_and_resume_is_exact(data_dir, tmp_path, in_process, at_batch):
+    straight = tmp_path / "straight"
+    in_process(tiny_args(data_dir, straight, dropout=0.1))  # 8 iterations, evals every 2
+
+    out = tmp_path / "out"
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    # a real SIGTERM, delivered between the two micro-steps of iteration 4 (dropout on: the RNG matters)
+    at_batch(lambda it, micro: os.kill(os.getpid(), signal.SIGTERM) if (it, micro) == (4, 1) else None)
+    with pytest.raises(train.Interrupted) as e:
+        in_process(tiny_args(data_dir, out, dropout=0.1))
+    assert e.value.signum == signal.SIGTERM
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers  # given back
+    ckpt = load_ckpt(out)
+    assert ckpt["iter_num"] == 5  # iteration 4 finished, then the checkpoint, before iteration 5
+    assert [r["iter"] for r in read_log(out)] == [0, 2, 4]
+
+    # the message holds the exact command; run it (in-process, without the hook)
+    message = str(e.value)
+    assert "SIGTERM" in message and "before iteration 5" in message
+    cmd = shlex.split(message.split("Resume with: ")[1])
+    assert cmd[:2] == ["python", "train.py"] and f"--out_dir={out}" in cmd and cmd[-2] == "--init_from=resume"
+    at_batch(lambda it, micro: None)
+    in_process(cmd[2:])
+    assert_same_run(out, straight)  # losses at 0..8, LR and final weights
+
+
+def test_ctrl_c_from_the_command_line(data_dir, tmp_path):
+    """A real process gets SIGINT mid-run: it checkpoints, exits 130 and prints the resume command."""
+    out = tmp_path / "out"
+    args = tiny_args(data_dir, out, max_iters=100_000, lr_decay_iters=100_000, eval_interval=100_000)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for line in p.stdout:
+        if line.startswith("iter 2:"):
+            break
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert "interrupted by SIGINT" in last and "Resume with: python train.py" in last
+    assert f"--out_dir={out}" in last and last.endswith("--init_from=resume --out_dir=" + str(out))
+    # a loadable checkpoint past the last step printed (the printed command is run in the tests above and below)
+    assert train.load_checkpoint(str(out / "ckpt.pt"), torch.device("cpu"))["iter_num"] >= 3
+
+
+def test_ddp_sigterm_all_ranks_stop_rank_0_saves_and_resume_works(data_dir, tmp_path):
+    """SIGTERM to torchrun (as a cluster scheduler sends it): torchrun forwards it to both ranks, they agree
+    on the step to stop at, rank 0 alone writes, and the printed torchrun command resumes."""
+    out = tmp_path / "out"
+    args = tiny_args(data_dir, out, max_iters=100_000, lr_decay_iters=100_000, eval_interval=100_000)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    p = subprocess.Popen([*torchrun, "train.py", *args], cwd=REPO, env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for line in p.stdout:
+        if line.startswith("iter 2:"):
+            break
+    p.send_signal(signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode != 0
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"]  # rank 0 alone wrote
+    lines = [x for x in stderr.splitlines() if "Resume with: " in x]
+    assert len(lines) == 1 and "interrupted by SIGTERM" in lines[0], stderr[-3000:]  # printed by rank 0 only
+    cmd = shlex.split(lines[0].split("Resume with: ")[1])
+    assert cmd[:4] == ["torchrun", "--standalone", "--nproc_per_node=2", "train.py"]
+    ckpt = load_ckpt(out)
+    it = ckpt["iter_num"]
+    assert it >= 3 and len(ckpt["rng"]) == 2
+    r = run([*torchrun, *cmd[3:], f"--max_iters={it + 1}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"at iter {it}" in r.stdout and load_ckpt(out)["iter_num"] == it + 1
+
+
+def test_interrupt_keeps_the_best_checkpoint(data_dir, tmp_path, in_process, at_batch):
+    """With always_save_checkpoint=False ckpt.pt is the best model: an interrupt keeps it as ckpt_best.pt."""
+    out = tmp_path / "out"
+    in_process(tiny_args(data_dir, out, max_iters=2, always_save_checkpoint=False))
+    best = (out / "ckpt.pt").read_bytes()
+    at_batch(lambda it, micro: os.kill(os.getpid(), signal.SIGINT) if (it, micro) == (2, 0) else None)
+    with pytest.raises(train.Interrupted):
+        in_process(tiny_args(data_dir, out, init_from="resume", max_iters=4, always_save_checkpoint=False))
+    assert (out / "ckpt_best.pt").read_bytes() == best
+    assert load_ckpt(out)["iter_num"] == 3
+
+
+# -----------------------------------------------------------------------------
+# kill -9 at any moment, including mid-save, leaves a loadable checkpoint
+
+SAVER = """
+import os, sys, time, torch
+sys.path.insert(0, {repo!r})
+import train
+real_fsync = os.fsync
+
+def slow_fsync(fd):  # a slow disk: the parent can kill us while the temp file is written but not renamed
+    real_fsync(fd)
+    print("fsync", flush=True)
+    time.sleep(0.02)
+os.fsync = slow_fsync
+i = 0
+while True:  # 8 MB checkpoints back to back: a kill almost always lands inside save_checkpoint
+    i += 1
+    train.save_checkpoint({{"model": {{"w": torch.full((2_000_000,), float(i))}}, "model_args": {{}},
+                           "iter_num": i}}, sys.argv[1])
+    print("saved", i, flush=True)
+"""
+
+
+def test_kill_9_mid_save_leaves_the_previous_checkpoint(tmp_path):
+    path, tmp = tmp_path / "ckpt.pt", tmp_path / "ckpt.pt.tmp"
+    script = tmp_path / "saver.py"
+    script.write_text(SAVER.format(repo=str(REPO)))
+    rng = random.Random(0)
+    for round in range(3):
+        p = subprocess.Popen([sys.executable, str(script), str(path)], stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+        lines = []
+        while not lines or lines[-1][0] != "saved":  # one save has completed (also after an earlier kill)
+            lines.append(p.stdout.readline().split())
+        if round == 0:  # kill inside the next save, after its temp file is written: deterministic
+            while lines[-1] != ["fsync"]:
+                lines.append(p.stdout.readline().split())
+        else:  # kill at a random moment
+            time.sleep(rng.uniform(0.0, 0.5))
+        p.kill()
+        p.wait()
+        if round == 0:
+            assert tmp.exists()  # the kill really did land mid-save
+        lines += [x.split() for x in p.stdout.read().splitlines()]
+        done = max(int(x[1]) for x in lines if x and x[0] == "saved")
+        ckpt = train.load_checkpoint(str(path), torch.device("cpu"))
+        assert ckpt["iter_num"] in (done, done + 1)  # + 1: renamed but not yet printed
+        assert torch.equal(ckpt["model"]["w"], torch.full((2_000_000,), float(ckpt["iter_num"])))
+
+
+# -----------------------------------------------------------------------------
+# non-finite loss: the step is skipped; max_bad_steps in a row stop the run
+
+@pytest.fixture
+def nan_at(monkeypatch, at_batch):
+    """nan_at(iters): the training loss is NaN at those iterations (evals are untouched)."""
+    def install(bad_iters):
+        current = {}
+        at_batch(lambda it, micro: current.update(it=it))
+        forward = GPT.forward
+
+        def poisoned(self, idx, targets=None):
+            logits, loss = forward(self, idx, targets)
+            if self.training and current.get("it") in bad_iters:
+                loss = loss * float("nan")
+            return logits, loss
+        monkeypatch.setattr(GPT, "forward", poisoned)
+    return install
+
+
+def test_nan_step_is_not_applied(data_dir, tmp_path, in_process, nan_at):
+    clean = tmp_path / "clean"
+    in_process(tiny_args(data_dir, clean, max_iters=3))  # iterations 0, 1, 2
+    nan_at({3})
+    bad = tmp_path / "bad"
+    in_process(tiny_args(data_dir, bad, max_iters=4))  # iterations 0, 1, 2 and a NaN 3
+    a, b = load_ckpt(clean), load_ckpt(bad)
+    assert b["iter_num"] == 4
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k  # the NaN step changed nothing ...
+    for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)  # ... not even Adam's moments or step count
+
+
+def test_fp16_bad_step_is_counted_once(data_dir, tmp_path, in_process, nan_at, capsys):
+    """With fp16 the grad scaler and our check see the same inf: one skipped step, one scale back-off."""
+    out = tmp_path / "out"
+    nan_at({3})
+    in_process(tiny_args(data_dir, out, dtype="float16", max_iters=4, max_bad_steps=2))
+    assert capsys.readouterr().out.count("step skipped (1 in a row") == 1
+    scaler = load_ckpt(out)["scaler"]
+    assert scaler["scale"] == 2.0 ** 16 * scaler["backoff_factor"]  # halved once from the initial 2^16
+
+
+@pytest.mark.parametrize("max_bad_steps, stop_iter, ckpt_iter", [(0, 3, 2), (3, 5, 4)])
+def test_too_many_bad_steps_stop_and_keep_the_checkpoint(max_bad_steps, stop_iter, ckpt_iter, data_dir, tmp_path,
+                                                         in_process, nan_at):
+    out = tmp_path / "out"
+    nan_at(set(range(3, 100)))
+    with pytest.raises(train.TrainingStopped) as e:
+        in_process(tiny_args(data_dir, out, max_bad_steps=max_bad_steps))
+    message = str(e.value)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers were given back
+    assert f"iteration {stop_iter}" in message and "--init_from=resume" in message and "\n" not in message
+    ckpt = train.load_checkpoint(str(out / "ckpt.pt"), torch.device("cpu"))
+    assert ckpt["iter_num"] == ckpt_iter
+    assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
+
+
+# -----------------------------------------------------------------------------
+# bad input: a one-line error that names the fix. The rest of the table (README, "What is tested")
+# is covered in test_train.py and test_residual.py.
+
+@pytest.fixture(scope="module")
+def tiny_run(data_dir, tmp_path_factory):
+    """A 2-iteration shakespeare_char run, for the cases that need a checkpoint."""
+    out = tmp_path_factory.mktemp("tiny") / "out"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with torch.random.fork_rng():
+        train.main(tiny_args(data_dir, out, max_iters=2, gradient_accumulation_steps=1))
+    torch.set_num_threads(threads)
+    return data_dir, out
+
+
+def _vocab_mismatch(data, out, tmp):
+    other = tiny_dataset(tmp / "data", 2000, 500, vocab=50)
+    return ["train.py", *tiny_args(other, out, dataset="tiny", init_from="resume", max_iters=4)]
+
+
+def _sample(start):
+    return lambda data, out, tmp: ["sample.py", f"--out_dir={out}", f"--start={start(tmp)}", "--max_new_tokens=2"]
+
+
+def _not_utf8(tmp):
+    (tmp / "prompt.bin").write_bytes(b"\xff\xfe\x00\x81")
+    return f"FILE:{tmp / 'prompt.bin'}"
+
+
+def _mod_pair(data, out, tmp):
+    if not HAS_MOD:
+        pytest.skip("Mixture-of-Depths (GPTConfig.mod) is not in this branch yet")
+    return ["train.py", *tiny_args(data, tmp / "o", residual="prenorm", mod="nag")]
+
+
+@pytest.mark.parametrize("make, needles", [
+    (_vocab_mismatch, ["vocab_size 65", "has 50", "use the dataset it was trained on"]),
+    (_sample(lambda tmp: f"FILE:{tmp / 'missing.txt'}"), ["missing.txt", "No such file", "--start=FILE:"]),
+    (_sample(lambda tmp: f"FILE:{tmp}"), ["cannot read the prompt file", "--start=FILE:"]),
+    (_sample(_not_utf8), ["prompt.bin", "not UTF-8", "--start=FILE:"]),
+    (_mod_pair, ["mod", "residual"]),
+], ids=["vocab-vs-checkpoint", "start-file-missing", "start-file-is-a-dir", "start-file-not-utf8",
+        "residual-mod-pair"])
+def test_bad_input_is_a_one_line_error(make, needles, tiny_run, tmp_path):
+    data, out = tiny_run
+    before = (out / "ckpt.pt").read_bytes()
+    r = run([sys.executable, *map(str, make(data, out, tmp_path))])
+    assert_one_line_error(r, *needles)
+    assert (out / "ckpt.pt").read_bytes() == before  # a failed start never touches the checkpoint
+
+
+# -----------------------------------------------------------------------------
+# property test: random small configs build and train one step, or fail with a ValueError
+
+def _config_strategy():
+    draws = dict(
+        residual=st.sampled_from(sorted(model_module.RESIDUALS)),
+        n_layer=st.integers(1, 6), n_head=st.integers(1, 3), head_size=st.sampled_from([2, 4, 8]),
+        block_size=st.integers(1, 16), nag_channels=st.integers(1, 4),
+        blocks=st.one_of(st.none(), st.integers(1, 12)),
+    )
+    if HAS_MOD and hasattr(model_module, "MODS"):
+        draws["mod"] = st.sampled_from(sorted(model_module.MODS))
+    return st.fixed_dictionaries(draws)
+
+
+def _build(d):
+    kw = dict(residual=d["residual"], n_layer=d["n_layer"], n_head=d["n_head"], n_embd=d["n_head"] * d["head_size"],
+              block_size=d["block_size"], vocab_size=65, nag_channels=d["nag_channels"])
+    if d["residual"] == "block_attnres" and d["blocks"] is not None:
+        kw["attnres_blocks"] = min(d["blocks"], 2 * d["n_layer"])
+    if "mod" in d:
+        kw["mod"] = d["mod"]
+    return kw
+
+
+@settings(max_examples=15, deadline=None)
+@given(_config_strategy(), st.integers(1, 3))
+def test_random_valid_configs_train(d, batch):
+    try:
+        config = GPTConfig(**_build(d))
+    except ValueError as e:  # only a residual/mod pair may be refused, and then with a message
+        assert "mod" in d and str(e), e
+        return
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # tiny ops: one thread is faster on a shared box
+        model = GPT(config)
+        idx = torch.randint(0, 65, (batch, config.block_size))
+        _, loss = model(idx, torch.roll(idx, -1, 1))
+        loss.backward()
+        torch.set_num_threads(threads)
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+INVALID = [  # one fault each, on top of a valid config
+    dict(n_embd=7),  # n_head >= 2 in the base: not divisible
+    dict(n_layer=0), dict(n_head=0), dict(block_size=0), dict(vocab_size=0),
+    dict(residual="postnorm"), dict(residual=""), dict(nag_channels=0), dict(dropout=1.0), dict(dropout=-0.1),
+    dict(kernels="cuda"), dict(residual="block_attnres", attnres_blocks=0),
+    dict(residual="block_attnres", attnres_blocks=99),
+]
+
+
+@settings(max_examples=15, deadline=None)
+@given(_config_strategy(), st.sampled_from(INVALID))
+def test_random_invalid_configs_fail_with_a_message(d, fault):
+    kw = dict(_build(d), n_head=2, n_embd=2 * d["head_size"], attnres_blocks=None)
+    kw.update(fault)
+    with pytest.raises(ValueError) as e:
+        GPTConfig(**kw)
+    assert str(e.value) and "\n" not in str(e.value)
