@@ -78,18 +78,23 @@ def test_signal_mid_step_checkpoints_and_resume_is_exact(data_dir, tmp_path, in_
     assert_same_run(out, straight)  # losses at 0..8, LR and final weights
 
 
+def signal_after_iter_2(cmd, signum):
+    """Start cmd (a training command line), send it signum once it has printed iteration 2, wait for it."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    p = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for line in p.stdout:
+        if line.startswith("iter 2:"):
+            break
+    p.send_signal(signum)
+    stdout, stderr = p.communicate(timeout=120)
+    return p, stdout, stderr
+
+
 def test_ctrl_c_from_the_command_line(data_dir, tmp_path):
     """A real process gets SIGINT mid-run: it checkpoints, exits 130 and prints the resume command."""
     out = tmp_path / "out"
     args = tiny_args(data_dir, out, max_iters=100_000, lr_decay_iters=100_000, eval_interval=100_000)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    p = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env=env, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    for line in p.stdout:
-        if line.startswith("iter 2:"):
-            break
-    p.send_signal(signal.SIGINT)
-    stdout, stderr = p.communicate(timeout=120)
+    p, stdout, stderr = signal_after_iter_2([sys.executable, "train.py", *args], signal.SIGINT)
     assert p.returncode == 130, stderr
     assert "Traceback" not in stderr
     last = stderr.strip().splitlines()[-1]
@@ -104,15 +109,8 @@ def test_ddp_sigterm_all_ranks_stop_rank_0_saves_and_resume_works(data_dir, tmp_
     on the step to stop at, rank 0 alone writes, and the printed torchrun command resumes."""
     out = tmp_path / "out"
     args = tiny_args(data_dir, out, max_iters=100_000, lr_decay_iters=100_000, eval_interval=100_000)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    p = subprocess.Popen([*torchrun, "train.py", *args], cwd=REPO, env=env, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    for line in p.stdout:
-        if line.startswith("iter 2:"):
-            break
-    p.send_signal(signal.SIGTERM)
-    stdout, stderr = p.communicate(timeout=120)
+    p, stdout, stderr = signal_after_iter_2([*torchrun, "train.py", *args], signal.SIGTERM)
     assert p.returncode != 0
     assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"]  # rank 0 alone wrote
     lines = [x for x in stderr.splitlines() if "Resume with: " in x]
