@@ -45,8 +45,7 @@ def attnres_sources(config):
     n = config.n_sublayers
     if config.residual not in ("attnres", "block_attnres"):
         return [0] * (n + 1)
-    blocks = n if config.residual == "attnres" else (config.attnres_blocks or min(8, n))
-    size = -(-n // blocks)
+    size = config.depth_block_size
     finished, partial, counts = 1, False, []
     for l in range(n):
         counts.append(0 if l == 0 else finished + partial)  # sublayer 0 reads the embedding as is
@@ -144,16 +143,13 @@ def train_config(argv, extra=None):
 
 def model_config(cfg):
     """The GPTConfig train.py would build, with the vocab from the dataset's meta.pkl when it is there."""
-    import pickle
-    vocab_size, meta = 50257, os.path.join(cfg["data_dir"], cfg["dataset"], "meta.pkl")
-    if os.path.exists(meta):
-        with open(meta, "rb") as f:
-            vocab_size = pickle.load(f)["vocab_size"]
-    else:
-        print(f"note: no {meta} (prepare the data first): counting gpt2's vocab of {vocab_size}")
-    keys = [f.name for f in fields(GPTConfig) if f.name != "vocab_size"]
+    from train import MODEL_KEYS, dataset_vocab_size
+    ddir = os.path.join(cfg["data_dir"], cfg["dataset"])
+    vocab_size = dataset_vocab_size(ddir)
+    if not os.path.exists(os.path.join(ddir, "meta.pkl")):
+        print(f"note: no meta.pkl in {ddir} (prepare the data first): counting gpt2's vocab of {vocab_size}")
     try:
-        return GPTConfig(vocab_size=vocab_size, **{k: cfg[k] for k in keys})
+        return GPTConfig(vocab_size=vocab_size, **{k: cfg[k] for k in MODEL_KEYS})
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -59,6 +59,12 @@ class GPTConfig:
         return 2 * self.n_layer
 
     @property
+    def depth_block_size(self):
+        """attnres / block_attnres: consecutive sublayers per block, S = ceil(2L / N) (full AttnRes: 1)."""
+        blocks = self.n_sublayers if self.residual == "attnres" else (self.attnres_blocks or min(8, self.n_sublayers))
+        return -(-self.n_sublayers // blocks)
+
+    @property
     def padded_vocab_size(self):
         return -(-self.vocab_size // 64) * 64
 
@@ -262,8 +268,7 @@ class BlockAttnRes(nn.Module):
     def __init__(self, config):
         super().__init__()
         n, d = config.n_sublayers, config.n_embd
-        blocks = n if config.residual == "attnres" else (config.attnres_blocks or min(8, n))
-        self.block_size = -(-n // blocks)
+        self.block_size = config.depth_block_size
         # a pseudo-query (init 0: a uniform average) and key norm for sublayers 1..2L-1 and the head
         # (index l-1); sublayer 0 has only the embedding to read, so nothing to learn there
         self.queries = nn.ParameterList(nn.Parameter(torch.zeros(d)) for _ in range(n))

@@ -104,12 +104,16 @@ def find_data(cfg, master):
             prepare(out_dir=ddir)
         if dist.is_initialized():
             dist.barrier()
+    return paths, dataset_vocab_size(ddir)
+
+
+def dataset_vocab_size(ddir):
+    """The vocab size in the dataset's meta.pkl, else gpt2 BPE's."""
     meta_path = os.path.join(ddir, "meta.pkl")
-    vocab_size = 50257  # gpt2 BPE unless the dataset says otherwise
-    if os.path.exists(meta_path):
-        with open(meta_path, "rb") as f:
-            vocab_size = pickle.load(f)["vocab_size"]
-    return paths, vocab_size
+    if not os.path.exists(meta_path):
+        return 50257
+    with open(meta_path, "rb") as f:
+        return pickle.load(f)["vocab_size"]
 
 
 def get_batch(path, batch_size, block_size, generator, device):
