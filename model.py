@@ -31,6 +31,9 @@ class GPTConfig:
     attnres_blocks: Optional[int] = None  # block_attnres: number of blocks N; None: min(8, 2L)
     nag_channels: int = 32  # nag: channels C of each sublayer's modulator
     kernels: str = "auto"  # auto (Triton on CUDA tensors) | triton | torch: see kernels.py
+    mod: str = "none"  # Mixture-of-Depths: none | nag | router | skip_middle (SPEC §3)
+    mod_rate: float = 0.0  # target fraction of (token, sublayer) pairs that skip the sublayer
+    skip_target: Optional[float] = None  # skip_middle: the innermost gate's mean target; None: 1 - 2 mod_rate
 
     def __post_init__(self):
         # one-line errors that name the fix; called again by GPT() after any field edits
@@ -53,6 +56,30 @@ class GPTConfig:
             raise ValueError(f"unknown kernels '{self.kernels}'; valid: {', '.join(IMPLS)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        self._check_mod()
+
+    def _check_mod(self):
+        if self.mod not in MODS:
+            raise ValueError(f"unknown mod '{self.mod}'; valid: {', '.join(MODS)}")
+        if not 0.0 <= self.mod_rate < 1.0:
+            raise ValueError(f"mod_rate must be in [0, 1), got {self.mod_rate}")
+        if self.mod == "none" and self.mod_rate > 0:
+            raise ValueError(f"mod_rate={self.mod_rate} needs a mod: set --mod=nag (residual nag), "
+                             f"router (prenorm, sandwich, attnres, block_attnres) or skip_middle (sandwich)")
+        needs = {"nag": ("nag",), "router": ("prenorm", "sandwich", "attnres", "block_attnres"),
+                 "skip_middle": ("sandwich",)}.get(self.mod, RESIDUALS)
+        if self.residual not in needs:
+            fix = "use mod=nag: nag routes by its own modulator" if self.residual == "nag" else \
+                f"use residual={' or '.join(needs)}"
+            raise ValueError(f"mod={self.mod} does not work with residual={self.residual}; {fix}")
+        if self.mod == "skip_middle" and self.n_layer % 2:
+            raise ValueError(f"mod=skip_middle pairs block i with block L-1-i: n_layer must be even, "
+                             f"got {self.n_layer}")
+        if self.skip_target is not None:
+            if self.mod != "skip_middle":
+                raise ValueError("skip_target only applies to mod=skip_middle; remove it or set --mod=skip_middle")
+            if not 0.0 <= self.skip_target <= 1.0:
+                raise ValueError(f"skip_target must be in [0, 1], got {self.skip_target}")
 
     @property
     def n_sublayers(self):
@@ -63,6 +90,11 @@ class GPTConfig:
         """attnres / block_attnres: consecutive sublayers per block, S = ceil(2L / N) (full AttnRes: 1)."""
         blocks = self.n_sublayers if self.residual == "attnres" else (self.attnres_blocks or min(8, self.n_sublayers))
         return -(-self.n_sublayers // blocks)
+
+    @property
+    def mod_keep(self):
+        """Training capacity of a top-k routed sublayer: the fraction of tokens kept, k / T."""
+        return capacity(self.block_size, self.mod_rate) / self.block_size
 
     @property
     def padded_vocab_size(self):
@@ -90,10 +122,11 @@ def rope_table(head_dim, max_len, base=10000.0):
 
 
 def apply_rope(x, rope):
-    """Rotate consecutive feature pairs of x [B, T, ..., hd] by rope [T, hd/2, 2], the table rows
-    of the tokens' own positions. Eager: one complex multiply, several times cheaper on CPU than
-    the real form. Compiled: the real form, because inductor has no code generation for complex ops."""
-    rope = rope.view(rope.shape[0], *([1] * (x.dim() - 3)), *rope.shape[1:])
+    """Rotate consecutive feature pairs of x [B, T, ..., hd] by rope, the table rows of the tokens'
+    own positions: [T, hd/2, 2], or [B, T, hd/2, 2] when each row has its own positions (a MoD
+    compressed sequence). Eager: one complex multiply, several times cheaper on CPU than the real
+    form. Compiled: the real form, because inductor has no code generation for complex ops."""
+    rope = rope.view(*rope.shape[:-2], *([1] * (x.dim() - 3)), *rope.shape[-2:])
     pairs = x.float().reshape(*x.shape[:-1], -1, 2)
     if torch.compiler.is_compiling():
         out = _rotate_real(pairs, rope)
@@ -107,6 +140,41 @@ def _rotate_real(pairs, rope):
     return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1)
 
 
+class KVCache:
+    """Keys and values of the tokens that ran one attention sublayer, for generation. Under MoD the
+    rows of a batch keep different tokens, so every slot has an additive bias per row: 0 for a key,
+    -inf where that row did not run the token (skip_middle: the key's log-gate)."""
+
+    def __init__(self, size):
+        self.size, self.n, self.k = size, 0, None
+
+    def append(self, k, v, bias):
+        """Add t slots (k, v [B, nh, t, hd], bias [B, t]); return every slot so far."""
+        B, nh, t, hd = k.shape
+        if self.k is None:
+            self.k, self.v = k.new_zeros(B, nh, self.size, hd), v.new_zeros(B, nh, self.size, hd)
+            self.bias = bias.new_full((B, self.size), float("-inf"))
+        if self.n + t > self.size:
+            raise RuntimeError(f"KV cache full ({self.size} slots): restart it")
+        self.k[:, :, self.n:self.n + t], self.v[:, :, self.n:self.n + t] = k, v
+        self.bias[:, self.n:self.n + t] = bias
+        self.n += t
+        return self.k[:, :, :self.n], self.v[:, :, :self.n], self.bias[:, :self.n]
+
+
+def attention_mask(bias, t):
+    """Additive mask [B, 1, t, n] for the last t of n keys as queries: causal, plus each key's bias
+    [B, n]. A query always sees itself: a token that runs the sublayer has a finite bias anyway,
+    and padding (or a soft-path token with gate 0, whose output is discarded) must not get a
+    row of -inf, whose softmax is NaN."""
+    n = bias.size(1)
+    q = torch.arange(n - t, n, device=bias.device)[:, None]
+    k = torch.arange(n, device=bias.device)[None, :]
+    mask = torch.where(k <= q, bias[:, None, :], float("-inf"))
+    mask = torch.where(k == q, mask.clamp(min=math.log(GATE_FLOOR)), mask)
+    return mask[:, None]
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -116,13 +184,23 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, rope):
+    def forward(self, x, rope, key_bias=None, cache=None):
+        """x [B, T, C] in order; key_bias [B, T] is added to the scores of each token as a key
+        (skip_middle's gated attention); cache: a KVCache the T tokens are appended to."""
         B, T, C = x.size()
         qk, v = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).split((2, 1), dim=2)
         q, k = apply_rope(qk, rope).unbind(2)  # q and k rotated together: one op instead of two
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.squeeze(2).transpose(1, 2)  # [B, nh, T, hd]
+        mask = None
+        if cache is not None:
+            bias = key_bias if key_bias is not None else q.new_zeros(B, T, dtype=torch.float32)
+            k, v, bias = cache.append(k, v, bias)
+            mask = attention_mask(bias, T)
+        elif key_bias is not None:
+            mask = attention_mask(key_bias, T)
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+            q, k, v, attn_mask=None if mask is None else mask.to(q.dtype),
+            dropout_p=self.dropout if self.training else 0.0, is_causal=mask is None)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -134,7 +212,7 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, rope=None):
+    def forward(self, x, rope=None, key_bias=None, cache=None):
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
 
 
@@ -145,6 +223,8 @@ class MLP(nn.Module):
 #   read(state, l)        -> tensor   what sublayer l (0-based here) takes as input
 #   write(state, l, out)  -> state    how sublayer l's output goes back into the stream
 #   head(state, lm_head)  -> logits
+#   write_kept(state, l, out, route) -> state   write-back of a Mixture-of-Depths sublayer that ran
+#                         only the tokens of `route`; every other token's stream is left exactly as is
 # and, for diagnostics, value(state, l) -> the stream as sublayer l sees it (l = 2L: as the head
 # sees it), plus stats(state, l) -> mode-specific figures.
 
@@ -163,8 +243,14 @@ class PreNorm(nn.Module):
     def read(self, x, l):
         return self.norms[l](x)
 
+    def delta(self, l, out):
+        return out
+
     def write(self, x, l, out):
-        return x + out
+        return x + self.delta(l, out)
+
+    def write_kept(self, x, l, out, route):
+        return route.scatter_add(x, route.weigh(self.delta(l, out)))
 
     def head(self, x, lm_head):
         return lm_head(self.norm_f(x))
@@ -188,8 +274,8 @@ class Sandwich(PreNorm):
     def embed(self, e):
         return self.norm_embed(e)
 
-    def write(self, x, l, out):
-        return x + self.post_norms[l](out)
+    def delta(self, l, out):
+        return self.post_norms[l](out)
 
 
 class Modulator(nn.Module):
@@ -238,6 +324,13 @@ class NAG(nn.Module):
         r, s = state
         r, log_gain = nag_update(r, out, self.tangent(r, l), impl=self.impl)
         return r, s + log_gain
+
+    def write_kept(self, state, l, out, route):
+        """mod=nag: the routing score is the tangent a of the kept tokens (it carries m's gradient)."""
+        r, s = state
+        r_k, s_k = route.gather(r), route.gather(s)
+        r_new, log_gain = nag_update(r_k, out, route.score, impl=self.impl)
+        return route.scatter(r, route.keep(r_new, r_k)), route.scatter(s, route.keep(s_k + log_gain, s_k))
 
     def head(self, state, lm_head):
         r, s = state
@@ -304,6 +397,11 @@ class BlockAttnRes(nn.Module):
             return blocks + [partial], None
         return blocks, partial
 
+    def write_kept(self, state, l, out, route):
+        # a skipped token's output is 0: it adds nothing to its block's sum
+        x = state[0][0]
+        return self.write(state, l, route.scatter(out.new_zeros(*x.shape[:2], out.size(-1)), route.weigh(out)))
+
     def head(self, state, lm_head):
         return lm_head(self.norm_f(self.value(state, len(self.norms))))
 
@@ -323,6 +421,216 @@ RESIDUALS = {
 }
 
 
+# -----------------------------------------------------------------------------
+# Mixture-of-Depths (SPEC §3): which tokens run each sublayer. Skipped tokens are gathered out,
+# so they cost no matmul FLOPs and are not keys at that attention sublayer.
+# Each mode is a module with route(stream, state, x, l, ctx) -> Route, or None for "every token,
+# unweighted" (the dense path). ctx is a per-forward dict (see GPT._forward).
+
+GATE_FLOOR = 1e-6  # skip_middle's attention bias is log(clamp(g, GATE_FLOOR, 1)), -inf at g = 0
+
+
+def capacity(T, rate):
+    """Tokens a top-k routed sublayer keeps out of T: k = ceil((1 - rate) T)."""
+    return max(1, math.ceil(round((1.0 - rate) * T, 6)))
+
+
+@dataclass
+class Route:
+    """The tokens that run one sublayer.
+    idx [B, k]: their positions, ascending per row, so the compressed sequence keeps the original
+      order and causal attention among kept tokens stays causal; None: every token.
+    valid [B, k, 1]: False on padding (rows keep different counts; padding sits after a row's kept
+      tokens, so causal attention never reads it, and the write-back leaves it as it was).
+    weight [B, k, 1]: scales the sublayer's write (router: sigmoid(score); skip_middle: the gate).
+    score [B, k, 1]: the routing score (mod=nag: the tangent a that the write-back uses).
+    key_bias [B, k]: added to attention scores where these tokens are keys (skip_middle).
+    executed: how many (token) rows actually ran, for the executed fraction."""
+    idx: Optional[torch.Tensor]
+    executed: object
+    valid: Optional[torch.Tensor] = None
+    weight: Optional[torch.Tensor] = None
+    score: Optional[torch.Tensor] = None
+    key_bias: Optional[torch.Tensor] = None
+
+    def _index(self, x):
+        return self.idx.view(*self.idx.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
+
+    def gather(self, x):
+        return x if self.idx is None else x.gather(1, self._index(x))
+
+    def scatter(self, x, values):
+        return values if self.idx is None else x.scatter(1, self._index(x), values.to(x.dtype))
+
+    def scatter_add(self, x, values):
+        return x + values if self.idx is None else x.scatter_add(1, self._index(x), values.to(x.dtype))
+
+    def weigh(self, out):
+        """The write of the kept rows: scaled by weight, 0 on padding."""
+        if self.weight is not None:
+            out = out * self.weight.to(out.dtype)
+        return out if self.valid is None else torch.where(self.valid, out, 0.0)
+
+    def keep(self, new, old):
+        return new if self.valid is None else torch.where(self.valid, new, old)
+
+    def gather_score(self, score):
+        return None if score is None else self.gather(score.unsqueeze(-1))
+
+
+def topk_route(score, k):
+    """Training: per row the k highest scores, in their original order. Returns (route, k-th score)."""
+    top, idx = score.topk(k, dim=1, sorted=False)
+    idx = idx.sort(dim=1).values
+    route = Route(idx, executed=k * score.size(0))
+    route.score = route.gather_score(score)
+    return route, top.min(dim=1).values
+
+
+def mask_route(keep, score=None):
+    """Eval (and skip_middle): the tokens where keep [B, T] is True, padded to the row that keeps most."""
+    B, T = keep.shape
+    counts = keep.sum(1).tolist()
+    kmax = max(counts)
+    if kmax == T and min(counts) == T:
+        route = Route(None, executed=B * T)
+    else:
+        # kept tokens first, each group in position order (a stable sort of "not kept")
+        order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices[:, :kmax]
+        route = Route(order, executed=sum(counts))
+        if min(counts) < kmax:
+            route.valid = keep.gather(1, order).unsqueeze(-1)
+    route.score = route.gather_score(score)
+    return route
+
+
+class TopKMoD(nn.Module):
+    """Routing by a per-token score: in training each sequence keeps its top-k tokens per sublayer;
+    in eval (causal) a token runs sublayer l when its score is >= tau_l, an EMA of the k-th largest
+    training score (a buffer: saved in the checkpoint). tau_l = nan (never trained with routing,
+    e.g. mod_rate 0): every token runs."""
+    tau_decay = 0.99
+
+    def __init__(self, config):
+        super().__init__()
+        self.rate = config.mod_rate
+        self.register_buffer("tau", torch.full((config.n_sublayers,), float("nan")))
+
+    def route(self, stream, state, x, l, ctx):
+        if self.training and self.rate == 0:
+            return None
+        score = self.score(stream, state, x, l)  # [B, T], fp32
+        if self.training:
+            route, kth = topk_route(score, capacity(score.size(1), self.rate))
+            if ctx["update_tau"]:
+                with torch.no_grad():
+                    kth = kth.mean()
+                    old = self.tau[l]
+                    self.tau[l] = torch.where(old.isnan(), kth, self.tau_decay * old + (1 - self.tau_decay) * kth)
+        elif self.tau[l].isnan():
+            return None
+        else:
+            route = mask_route(score >= self.tau[l], score)
+        return self.finish(route)
+
+    def finish(self, route):
+        return route
+
+
+class NAGMoD(TopKMoD):
+    """mod=nag: router-free. The score is a_l = alpha_l m_l(r), the tangent of the rotation the
+    sublayer would apply; the kept tokens' NAG write-back uses it, so m learns through it."""
+
+    def score(self, stream, state, x, l):
+        return stream.tangent(state[0], l).squeeze(-1)
+
+
+class RouterMoD(TopKMoD):
+    """mod=router (Raposo et al.): score = <w_l, RMSNorm(x)> from a linear router per sublayer (x
+    here is what the sublayer reads, already RMS-normalised); kept tokens' writes are scaled by
+    sigmoid(score), which is how the router learns."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.routers = nn.ModuleList(nn.Linear(config.n_embd, 1, bias=False) for _ in range(config.n_sublayers))
+
+    def score(self, stream, state, x, l):
+        return upcast(self.routers[l](x)).squeeze(-1)
+
+    def finish(self, route):
+        route.weight = torch.sigmoid(route.score)
+        return route
+
+
+class SkipMiddle(nn.Module):
+    """mod=skip_middle (Lawson & Aitchison), on the sandwich residual, per transformer block.
+    Blocks i < L/2 produce s_i = ReLU(<w_i, x_i> + b_i) from the stream entering them; the gate
+    g_i = 1 - clamp(s_1 + .. + s_i, 0, 1) scales both sublayers of block i and of its mirror
+    L-1-i, so a saturated token switches off a symmetric middle span. In attention, log g of the
+    *key* is added to the scores (-inf at g = 0), so other tokens stop reading a token that
+    skipped; tokens with g = 0 are gathered out and cost nothing.
+    Sparsity: loss += sum_i lam_i mean(g_i) + mu_i var(g_i); after each optimiser step
+    controller_step() moves lam_i (mu_i) by eta (mean - target) (var - target) when they are
+    more than 0.01 apart. Mean targets go linearly from 1 (outermost) to skip_target (innermost)."""
+    eta, tolerance = 1e-3, 0.01
+    gather = True  # False: the soft path (every token runs, masked), which tests compare against
+
+    def __init__(self, config):
+        super().__init__()
+        L, d = config.n_layer, config.n_embd
+        self.n_blocks, half = L, L // 2
+        self.producers = nn.ModuleList(nn.Linear(d, 1) for _ in range(half))  # w ~ N(0, 0.02), b = 0
+        end = 1.0 - 2.0 * config.mod_rate if config.skip_target is None else config.skip_target
+        end = min(max(end, 0.0), 1.0)
+        target = torch.tensor([end] if half == 1 else [1.0 + (end - 1.0) * i / (half - 1) for i in range(half)])
+        self.register_buffer("target", target)
+        self.register_buffer("lam", torch.zeros(half))
+        self.register_buffer("mu", torch.zeros(half))
+        # the last training forward's gate statistics, which the controller reads
+        self.register_buffer("gate_mean", torch.full((half,), float("nan")), persistent=False)
+        self.register_buffer("gate_var", torch.full((half,), float("nan")), persistent=False)
+
+    def route(self, stream, state, x, l, ctx):
+        block = l // 2
+        routes = ctx.setdefault("block_routes", {})
+        if block in routes:  # the block's MLP reuses its attention's route
+            return routes[block]
+        gates = ctx.setdefault("gates", [])
+        if block < len(self.producers):
+            s = F.relu(upcast(self.producers[block](state))).squeeze(-1)
+            total = s if block == 0 else ctx["gate_sum"] + s
+            ctx["gate_sum"] = total
+            gates.append(1.0 - total.clamp(0.0, 1.0))
+        g = gates[min(block, self.n_blocks - 1 - block)]
+        route = mask_route(g > 0) if self.gather else Route(None, executed=int((g > 0).sum()))
+        gk = route.gather(g)
+        route.weight = gk.unsqueeze(-1)
+        route.key_bias = torch.where(gk > 0, torch.log(gk.clamp(GATE_FLOOR, 1.0)), float("-inf"))
+        routes[block] = route
+        return route
+
+    def sparsity_loss(self, ctx):
+        """lam . mean(g) + mu . var(g) over the gate producers; records the statistics."""
+        g = torch.stack([x.flatten() for x in ctx["gates"]])
+        mean, var = g.mean(1), g.var(1)
+        with torch.no_grad():
+            self.gate_mean.copy_(mean)
+            self.gate_var.copy_(var)
+        return (self.lam * mean + self.mu * var).sum()
+
+    @torch.no_grad()
+    def controller_step(self):
+        if self.gate_mean.isnan().any():
+            return
+        var_target = self.target * (1 - self.target)
+        for coef, value, target in ((self.lam, self.gate_mean, self.target), (self.mu, self.gate_var, var_target)):
+            gap = value - target
+            coef.add_(torch.where(gap.abs() > self.tolerance, self.eta * gap, 0.0))
+
+
+MODS = {"none": None, "nag": NAGMoD, "router": RouterMoD, "skip_middle": SkipMiddle}
+
+
 
 # -----------------------------------------------------------------------------
 # the model
@@ -340,6 +648,7 @@ class GPT(nn.Module):
         self.sublayers = nn.ModuleList(
             CausalSelfAttention(config) if l % 2 == 0 else MLP(config) for l in range(config.n_sublayers))
         self.stream = RESIDUALS[config.residual](config)
+        self.mod = MODS[config.mod](config) if MODS[config.mod] else None
         self.lm_head = nn.Linear(d, V, bias=False)
         self.register_buffer("rope", rope_table(d // config.n_head, config.block_size), persistent=False)
 
@@ -352,6 +661,8 @@ class GPT(nn.Module):
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=self.stream.embed_std)
 
@@ -367,10 +678,11 @@ class GPT(nn.Module):
         B, T = idx.size()
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        rope = self.rope[:T]
+        ctx = self._context(B * T, update_tau=self.training)
         state = self.stream.embed(self.drop(self.wte(idx)))
-        for l, f in enumerate(self.sublayers):
-            state = self.stream.write(state, l, f(self.stream.read(state, l), rope))
+        for l in range(len(self.sublayers)):
+            state = self._sublayer(state, l, ctx)
+        self._finish(ctx)
         if targets is None:
             # inference: only the last position's logits are needed
             state = _last_position(state)
@@ -379,26 +691,67 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
                                    ignore_index=-1)
+            if self.training and isinstance(self.mod, SkipMiddle):
+                loss = loss + self.mod.sparsity_loss(ctx)  # the sparsity penalty trains the gates
         return logits, loss
+
+    def _context(self, tokens, update_tau=False, pos=0, caches=None):
+        """What one forward pass carries besides the stream: the first position (generation),
+        the KV caches, routing state, and the tokens each sublayer ran (executed)."""
+        return {"tokens": tokens, "pos": pos, "caches": caches, "update_tau": update_tau,
+                "executed": [tokens] * len(self.sublayers)}
+
+    def _finish(self, ctx):
+        self.last_executed = ctx["executed"]  # per sublayer: tokens run (ints, or 0-d tensors)
+        self.last_tokens = ctx["tokens"]
+
+    def _sublayer(self, state, l, ctx):
+        """Run sublayer l on the tokens the MoD mode routes to it and write it back."""
+        f, x = self.sublayers[l], self.stream.read(state, l)
+        T, pos, cache = x.size(1), ctx["pos"], ctx["caches"] and ctx["caches"][l]
+        route = self.mod.route(self.stream, state, x, l, ctx) if self.mod is not None else None
+        if route is None:
+            return self.stream.write(state, l, f(x, self.rope[pos:pos + T], cache=cache))
+        ctx["executed"][l] = route.executed
+        if route.idx is not None and route.idx.size(1) == 0:
+            return state  # nobody runs this sublayer
+        rope = self.rope[pos:pos + T] if route.idx is None else self.rope[pos + route.idx]
+        key_bias = route.key_bias
+        if cache is not None and route.valid is not None:  # padding is never a key later on
+            key_bias = torch.where(route.valid.squeeze(-1), 0.0 if key_bias is None else key_bias, float("-inf"))
+        out = f(route.gather(x), rope, key_bias=key_bias, cache=cache)
+        return self.stream.write_kept(state, l, out, route)
+
+    def executed_fraction(self):
+        """Per sublayer, the fraction of tokens that ran it in the last forward pass."""
+        return [float(e) / self.last_tokens for e in self.last_executed]
+
+    @torch.no_grad()
+    def after_step(self):
+        """Call after each optimiser step: skip_middle's sparsity controller."""
+        if isinstance(self.mod, SkipMiddle):
+            self.mod.controller_step()
 
     @torch.no_grad()
     def diagnostics(self, idx):
         """Per sublayer l: the RMS of the stream entering it (nag: e^s), the relative size of its update
-        ||x_{l+1} - x_l|| / ||x_l||, and the mode's own figures (nag: alpha, mean m, mean rotation angle;
+        ||x_{l+1} - x_l|| / ||x_l||, the fraction of tokens that ran it (MoD, under the model's current
+        train or eval routing), and the mode's own figures (nag: alpha, mean m, mean rotation angle;
         attnres: depth weights over its sources, averaged over tokens). For attnres the "stream" is the
         depth mix a sublayer reads."""
-        T = idx.size(1)
-        rope = self.rope[:T]
+        B, T = idx.shape
+        ctx = self._context(B * T)
         state = self.stream.embed(self.wte(idx))
         rows = []
-        for l, f in enumerate(self.sublayers):
+        for l in range(len(self.sublayers)):
             x_in = self.stream.value(state, l).float()
             row = {"sublayer": l + 1, "kind": "attn" if l % 2 == 0 else "mlp",
                    "rms": x_in.square().mean().sqrt().item()}
             row.update(self.stream.stats(state, l))
-            state = self.stream.write(state, l, f(self.stream.read(state, l), rope))
+            state = self._sublayer(state, l, ctx)
             x_out = self.stream.value(state, l + 1).float()
             row["update"] = ((x_out - x_in).norm(dim=-1) / x_in.norm(dim=-1)).mean().item()
+            row["executed"] = float(ctx["executed"][l]) / (B * T)
             rows.append(row)
         head = self.stream.value(state, len(self.sublayers)).float()
         rows.append({"sublayer": len(self.sublayers) + 1, "kind": "head", "rms": head.square().mean().sqrt().item(),
@@ -418,11 +771,26 @@ class GPT(nn.Module):
                                  **({"fused": True} if fused else {"foreach": True}))
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """Sample max_new_tokens after idx (LongTensor [B, T]); the context is cropped to block_size."""
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, kv_cache=True):
+        """Sample max_new_tokens after idx (LongTensor [B, T]). With kv_cache, each new token runs
+        alone through the sublayers it is routed to, against caches that hold only the tokens each
+        attention sublayer ran; when a cache fills up (block_size positions) it restarts from the
+        last block_size / 2 tokens. Without it, every step recomputes the context cropped to
+        block_size. self.generate_stats counts, per sublayer, the tokens that ran it."""
+        executed, n = [0] * len(self.sublayers), 0
+        caches, pos = None, 0
         for _ in range(max_new_tokens):
-            idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
-            logits, _ = self(idx_cond)
+            if not kv_cache:
+                idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
+                logits, _ = self(idx_cond)
+                step = idx_cond.numel()
+            elif caches is None or pos == self.config.block_size:
+                window = idx[:, -(self.config.block_size if caches is None else self.config.block_size // 2):]
+                caches = [KVCache(self.config.block_size) if l % 2 == 0 else None for l in range(len(self.sublayers))]
+                logits, pos, step = self._step(window, caches, 0), window.size(1), window.numel()
+            else:
+                logits, pos, step = self._step(idx[:, -1:], caches, pos), pos + 1, idx.size(0)
+            executed, n = [a + float(b) for a, b in zip(executed, self.last_executed)], n + step
             logits = logits[:, -1, :]
             if temperature == 0:
                 idx_next = logits.argmax(dim=-1, keepdim=True)
@@ -433,7 +801,17 @@ class GPT(nn.Module):
                     logits[logits < v[:, [-1]]] = -float("inf")
                 idx_next = torch.multinomial(F.softmax(logits.float(), dim=-1), num_samples=1)
             idx = torch.cat((idx, idx_next), dim=1)
+        self.generate_stats = {"executed": executed, "tokens": n}
         return idx
+
+    def _step(self, idx, caches, pos):
+        """Logits of the last of the tokens idx [B, t] at positions pos.., appended to the caches."""
+        ctx = self._context(idx.numel(), pos=pos, caches=caches)
+        state = self.stream.embed(self.wte(idx))
+        for l in range(len(self.sublayers)):
+            state = self._sublayer(state, l, ctx)
+        self._finish(ctx)
+        return self.stream.head(_last_position(state), self.lm_head)[..., :self.config.vocab_size]
 
 
 def _last_position(state):
