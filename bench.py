@@ -4,12 +4,15 @@ Benchmarks that print figures (speed targets are checked here, not in timed test
     python bench.py                      # both sections, on the GPU if there is one
     python bench.py --section=kernels    # each fused kernel vs eager PyTorch and torch.compile of its reference
     python bench.py --section=model      # step time and peak memory of each residual mode, relative to prenorm
+    python bench.py --section=mod        # Mixture-of-Depths step time at mod_rate 0, 0.25, 0.5
 
 kernels: forward and forward+backward time of rms_norm, nag_update and depth_attention, and the
 achieved bandwidth: the bytes a fused kernel must move at least (each input read once, each output
 written once) divided by the time. On a GPU compare it with the copy bandwidth printed first.
 model: one training step (forward, backward, AdamW) per mode at the GPT-2 124M shape on a GPU
 (12 layers, 768 wide, 12 heads, T = 1024, bf16, compiled), or at the quickstart shape on a CPU.
+mod: a training step of nag (mod=nag) and prenorm (mod=router) at mod_rate 0, 0.25 and 0.5, at the
+124M shape on a GPU or an 8-layer quickstart-width model on a CPU; the ratio to mod_rate 0 is the saving.
 Ratios measured in one run are what to compare: absolute times drift on a shared machine.
 """
 
@@ -98,24 +101,22 @@ def bench_kernels(device, dtype, use_compile, reps):
                   f"| {(bytes_fwd + bytes_bwd) / t_fb / 1e9:.1f} | {eager_total / t_fb:.2f}x |")
 
 
-def bench_model(device, dtype, use_compile, reps, batch_size):
+def time_steps(configs, device, dtype, use_compile, reps, B):
+    """Median seconds of one training step (forward, backward, AdamW) of each GPTConfig in
+    `configs` (name -> config), and the peak memory (GiB, GPU only) of each. All are built (and
+    compiled) first, then timed in interleaved rounds, so drift on a shared machine hits each alike."""
     gpu = device.type == "cuda"
-    shape = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024) if gpu else \
-        dict(n_layer=4, n_head=4, n_embd=128, block_size=64)
-    B = batch_size or (8 if gpu else 12)
-    print(f"\n## model step ({device.type}, {str(dtype).replace('torch.', '')}, compile={use_compile}, "
-          f"B={B}, {shape})")
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     steps, mem = {}, {}
-    for residual in RESIDUALS:  # build (and compile) every mode first, measuring its own peak memory
+    for name, config in configs.items():
         base_mem = torch.cuda.memory_allocated() if gpu else 0
         if gpu:
             torch.cuda.reset_peak_memory_stats()
         torch.manual_seed(0)
-        model = GPT(GPTConfig(vocab_size=50257 if gpu else 65, residual=residual, **shape)).to(device)
+        model = GPT(config).to(device)
         opt = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device.type)
         step_model = torch.compile(model) if use_compile else model
-        x = torch.randint(0, model.config.vocab_size, (B, shape["block_size"]), device=device)
+        x = torch.randint(0, config.vocab_size, (B, config.block_size), device=device)
 
         def step(step_model=step_model, opt=opt, x=x):
             with autocast:
@@ -124,27 +125,62 @@ def bench_model(device, dtype, use_compile, reps, batch_size):
             opt.step()
             opt.zero_grad(set_to_none=True)
         timeit(step, device, 2)  # warm-up: compilation, optimizer state
-        steps[residual] = step
-        mem[residual] = (torch.cuda.max_memory_allocated() - base_mem) / 2 ** 30 if gpu else None
-    # then time them in interleaved rounds, so drift on a shared machine hits every mode alike
-    times = {residual: [] for residual in steps}
+        steps[name] = step
+        mem[name] = (torch.cuda.max_memory_allocated() - base_mem) / 2 ** 30 if gpu else None
+    times = {name: [] for name in steps}
     for _ in range(reps):
-        for residual, step in steps.items():
-            times[residual].append(timeit(step, device, 1, warmup=0))
+        for name, step in steps.items():
+            times[name].append(timeit(step, device, 1, warmup=0))
+    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}, mem
+
+
+def bench_model(device, dtype, use_compile, reps, batch_size):
+    gpu = device.type == "cuda"
+    shape = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024) if gpu else \
+        dict(n_layer=4, n_head=4, n_embd=128, block_size=64)
+    B = batch_size or (8 if gpu else 12)
+    print(f"\n## model step ({device.type}, {str(dtype).replace('torch.', '')}, compile={use_compile}, "
+          f"B={B}, {shape})")
+    configs = {r: GPTConfig(vocab_size=50257 if gpu else 65, residual=r, **shape) for r in RESIDUALS}
+    times, mem = time_steps(configs, device, dtype, use_compile, reps, B)
     print("| residual | ms/step | vs prenorm | peak memory GiB | vs prenorm |")
     print("|---|---|---|---|---|")
-    t0 = None
-    for residual, ts in times.items():
-        t = sorted(ts)[len(ts) // 2]
-        t0 = t0 or t
+    for residual, t in times.items():
         mem_cols = f"{mem[residual]:.2f} | {mem[residual] / mem['prenorm']:.2f}x" if gpu else "n/a (CPU) |"
-        print(f"| {residual} | {t * 1e3:.1f} | {t / t0:.2f}x | {mem_cols} |")
-    return {residual: sorted(ts)[len(ts) // 2] for residual, ts in times.items()}
+        print(f"| {residual} | {t * 1e3:.1f} | {t / times['prenorm']:.2f}x | {mem_cols} |")
+    return times
+
+
+MOD_RUNS = [("nag", "nag"), ("prenorm", "router")]  # (residual, mod) timed at each mod_rate
+
+
+def bench_mod(device, dtype, use_compile, reps, batch_size, rates=(0.0, 0.25, 0.5)):
+    """Mixture-of-Depths: step time at each mod_rate relative to the same model at mod_rate 0 (dense).
+    Skipped tokens are gathered out of the matmuls, so the ratio is the real saving."""
+    gpu = device.type == "cuda"
+    shape = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024) if gpu else \
+        dict(n_layer=8, n_head=4, n_embd=128, block_size=64)
+    B = batch_size or (8 if gpu else 12)
+    print(f"\n## Mixture-of-Depths step ({device.type}, {str(dtype).replace('torch.', '')}, compile={use_compile}, "
+          f"B={B}, {shape})")
+    configs = {(r, m, rate): GPTConfig(vocab_size=50257 if gpu else 65, residual=r, mod=m, mod_rate=rate, **shape)
+               for r, m in MOD_RUNS for rate in rates}
+    times, mem = time_steps(configs, device, dtype, use_compile, reps, B)
+    print("| residual | mod | mod_rate | ms/step | vs mod_rate 0 | peak memory GiB |")
+    print("|---|---|---|---|---|---|")
+    for (r, m, rate), t in times.items():
+        dense = times[(r, m, rates[0])]
+        mem_col = f"{mem[(r, m, rate)]:.2f}" if gpu else "n/a (CPU)"
+        print(f"| {r} | {m} | {rate:g} | {t * 1e3:.1f} | {t / dense:.2f}x | {mem_col} |")
+    return times
 
 
 def main(argv=None):
-    """Print the tables; returns the model section's seconds per step by residual mode (if it ran)."""
+    """Print the tables; returns seconds per step by residual mode (model section) and by
+    (residual, mod, mod_rate) (mod section), for the sections that ran."""
     cfg = configure(sys.argv[1:] if argv is None else argv, DEFAULTS)
+    if cfg["section"] not in ("all", "kernels", "model", "mod"):
+        raise ConfigError(f"unknown section '{cfg['section']}'; valid: all, kernels, model, mod")
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg["device"] == "auto" else cfg["device"])
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg["dtype"]]
@@ -153,8 +189,13 @@ def main(argv=None):
           f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else f'CPU, {torch.get_num_threads()} threads'}")
     if cfg["section"] in ("all", "kernels"):
         bench_kernels(device, dtype, cfg["compile"], reps)
+    use_compile = cfg["compile"] and device.type == "cuda"
+    times = {}
     if cfg["section"] in ("all", "model"):
-        return bench_model(device, dtype, cfg["compile"] and device.type == "cuda", reps, cfg["batch_size"])
+        times.update(bench_model(device, dtype, use_compile, reps, cfg["batch_size"]))
+    if cfg["section"] in ("all", "mod"):
+        times.update(bench_mod(device, dtype, use_compile, reps, cfg["batch_size"]))
+    return times
 
 
 if __name__ == "__main__":

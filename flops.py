@@ -12,10 +12,19 @@ Convention. FLOPs count a multiply-add as 2 and are per token of the training se
 - MLP sublayer 2*8*d^2; LM head 2*d*V (V the padded vocab); embedding lookups are free.
 - extras per mode: nag's modulator 2*C*d per sublayer; AttnRes 4*d per source a sublayer (or the
   head) mixes (2d for the scores, 2d for the weighted sum: mat-vecs and broadcasts, not matmuls);
-  a MoD router 2*d per routed sublayer. Norms, softmaxes, RoPE and the NAG write-back are not counted.
+  mod=router: a linear router 2*d per routed sublayer (only with mod_rate > 0: at 0 the model never
+  routes, in training nor in eval); mod=skip_middle: a gate producer nn.Linear(d, 1) 2*d for each of
+  the first L/2 blocks. Norms, softmaxes, RoPE and the NAG write-back are not counted.
 - Mixture-of-Depths: sublayer l runs on a fraction exec_frac[l] of the tokens, so its matmuls scale
   with exec_frac[l] and its attention scores with exec_frac[l]^2 (a compressed sequence of
-  exec_frac[l] * T tokens). Scoring (modulator, router) and depth mixing run on every token.
+  exec_frac[l] * T tokens). Scoring (modulator, router, gate producers) and depth mixing run on
+  every token. Without a measured exec_frac, mod=nag and mod=router count their training capacity
+  GPTConfig.mod_keep = k / T (top-k: exactly what training runs) for every sublayer; skip_middle
+  has no fixed capacity (its gates decide), so it counts 1 (dense, an upper bound) unless given the
+  measured GPT.executed_fraction(), which is what train.py logs its cumulative FLOPs from.
+  (Eval routing by thresholds keeps a different number of tokens per row; a batch is padded to the
+  row that keeps most, and that padding is computed but not counted: executed fractions count
+  tokens that ran.)
 Training = 3 x forward (backward = 2 x forward).
 """
 
@@ -25,15 +34,15 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import fields
 
 import torch
 
 from configurator import ConfigError, configure
 from model import GPT, GPTConfig
 
+TOPK_MODS = ("nag", "router")  # MoD modes with a fixed training capacity (top-k)
 # components that are matmuls as torch's FlopCounterMode sees them (mm, addmm, bmm, SDPA)
-MATMUL = ("attn_proj", "attn_scores", "mlp", "head", "nag_modulator", "router")
+MATMUL = ("attn_proj", "attn_scores", "mlp", "head", "nag_modulator", "router", "skip_gates")
 
 
 # -----------------------------------------------------------------------------
@@ -57,9 +66,13 @@ def attnres_sources(config):
 
 def forward_flops(config, exec_frac=None):
     """Forward FLOPs per token by component (dict, see the module docstring for the convention).
-    exec_frac: the executed fraction of each of the 2L sublayers (MoD); default all 1."""
+    exec_frac: the executed fraction of each of the 2L sublayers (MoD), e.g. GPT.executed_fraction();
+    default: the training capacity config.mod_keep for mod=nag/router, else 1."""
     d, T, n = config.n_embd, config.block_size, config.n_sublayers
-    f = [1.0] * n if exec_frac is None else [float(x) for x in exec_frac]
+    if exec_frac is None:
+        f = [config.mod_keep if config.mod in TOPK_MODS else 1.0] * n
+    else:
+        f = [float(x) for x in exec_frac]
     if len(f) != n or not all(0.0 <= x <= 1.0 for x in f):
         raise ValueError(f"exec_frac must be {n} fractions in [0, 1] (one per sublayer), got {exec_frac}")
     attn, mlp = f[0::2], f[1::2]
@@ -73,8 +86,10 @@ def forward_flops(config, exec_frac=None):
         out["nag_modulator"] = 2 * config.nag_channels * d * n
     if config.residual in ("attnres", "block_attnres"):
         out["attnres_depth"] = 4 * d * sum(attnres_sources(config))
-    if getattr(config, "mod", None) == "router":  # MoD lands later (GPTConfig.mod); the router is a linear score
+    if config.mod == "router" and config.mod_rate > 0:  # a linear score <w_l, x> on every token
         out["router"] = 2 * d * n
+    if config.mod == "skip_middle":  # s_i = ReLU(<w_i, x_i> + b_i) for the first L/2 blocks, every token
+        out["skip_gates"] = 2 * d * (config.n_layer // 2)
     return out
 
 
@@ -164,6 +179,11 @@ def breakdown(argv):
     total, non_embedding = count_params(config)
     print(f"{config.residual}: {config.n_layer} layers, d={config.n_embd}, T={config.block_size}, "
           f"V={config.padded_vocab_size} (padded)")
+    if config.mod in TOPK_MODS:
+        print(f"mod={config.mod} at mod_rate {config.mod_rate:g}: every sublayer runs its training capacity "
+              f"k/T = {config.mod_keep:.4g} of the tokens")
+    elif config.mod == "skip_middle":
+        print("mod=skip_middle: counted dense (the gates decide; train.py logs the realised FLOPs)")
     print(f"{'component':<16}{'FLOPs/token':>14}{'share':>8}")
     for name, value in parts.items():
         print(f"{name:<16}{value:>14,.0f}{value / fwd:>8.1%}")
@@ -193,14 +213,9 @@ FIELDS = ["run", "residual", "n_layer", "mod", "mod_rate", "status", "iters", "t
 
 
 def sweep_runs(sw):
-    """(name, residual, depth, mod, mod_rate) of every run; MoD runs only once GPTConfig has `mod`."""
+    """(name, residual, depth, mod, mod_rate) of every run: the dense runs, then each mod_run at every depth."""
     runs = [(f"{r}_L{L}", r, L, None, 0.0) for r in sw["residuals"] for L in sw["depths"]]
-    has_mod = "mod" in {f.name for f in fields(GPTConfig)}
     for r, mod, rate in sw["mod_runs"]:
-        if not has_mod:
-            print(f"notice: skipping {r} with mod={mod} at mod_rate={rate}: GPTConfig has no 'mod' yet "
-                  f"(Mixture-of-Depths is not implemented)")
-            continue
         runs += [(f"{r}_L{L}_{mod}{rate}", r, L, mod, rate) for L in sw["depths"]]
     return runs
 
@@ -214,8 +229,11 @@ def run_result(out_dir):
     last = recs[-1]
     with open(os.path.join(out_dir, "done")) as f:
         seconds = float(f.read().strip() or "nan")
-    return {"status": "done", "iters": last["iter"], "tokens": last["tokens"], "flops": last.get("flops"),
-            "val_loss": last["val_loss"], "best_val_loss": min(r["val_loss"] for r in recs), "seconds": seconds}
+    row = {"status": "done", "iters": last["iter"], "tokens": last["tokens"], "flops": last.get("flops"),
+           "val_loss": last["val_loss"], "best_val_loss": min(r["val_loss"] for r in recs), "seconds": seconds}
+    if row["flops"] and row["tokens"]:  # realised: train.py counts MoD runs from their executed fractions
+        row["train_flops_per_token"] = row["flops"] / row["tokens"]
+    return row
 
 
 def run_sweep(argv):
@@ -258,7 +276,7 @@ def run_sweep(argv):
             config = model_config({**base, "residual": residual, "n_layer": depth,
                                    **({"mod": mod, "mod_rate": rate} if mod else {})})
             row["params"] = count_params(config)[1]
-            row["train_flops_per_token"] = train_flops_per_token(config)
+            row.setdefault("train_flops_per_token", train_flops_per_token(config))  # not run: the analytic count
         except ConfigError:
             pass  # train.py reported the error itself, and the run is recorded as failed
         rows.append(row)

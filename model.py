@@ -225,6 +225,7 @@ class MLP(nn.Module):
 #   head(state, lm_head)  -> logits
 #   write_kept(state, l, out, route) -> state   write-back of a Mixture-of-Depths sublayer that ran
 #                         only the tokens of `route`; every other token's stream is left exactly as is
+#   skip(state, l)        -> state    the same when no token ran sublayer l
 # and, for diagnostics, value(state, l) -> the stream as sublayer l sees it (l = 2L: as the head
 # sees it), plus stats(state, l) -> mode-specific figures.
 
@@ -251,6 +252,9 @@ class PreNorm(nn.Module):
 
     def write_kept(self, x, l, out, route):
         return route.scatter_add(x, route.weigh(self.delta(l, out)))
+
+    def skip(self, x, l):
+        return x
 
     def head(self, x, lm_head):
         return lm_head(self.norm_f(x))
@@ -332,6 +336,9 @@ class NAG(nn.Module):
         r_new, log_gain = nag_update(r_k, out, route.score, impl=self.impl)
         return route.scatter(r, route.keep(r_new, r_k)), route.scatter(s, route.keep(s_k + log_gain, s_k))
 
+    def skip(self, state, l):
+        return state
+
     def head(self, state, lm_head):
         r, s = state
         w = lm_head.weight
@@ -401,6 +408,11 @@ class BlockAttnRes(nn.Module):
         # a skipped token's output is 0: it adds nothing to its block's sum
         x = state[0][0]
         return self.write(state, l, route.scatter(out.new_zeros(*x.shape[:2], out.size(-1)), route.weigh(out)))
+
+    def skip(self, state, l):
+        # still a write: every token gets a 0 source (as write_kept gives skipped tokens), so the
+        # sources and block boundaries stay those of a pass in which some token ran sublayer l
+        return self.write(state, l, torch.zeros_like(state[0][0]))
 
     def head(self, state, lm_head):
         return lm_head(self.norm_f(self.value(state, len(self.norms))))
@@ -517,8 +529,8 @@ class TopKMoD(nn.Module):
         self.register_buffer("tau", torch.full((config.n_sublayers,), float("nan")))
 
     def route(self, stream, state, x, l, ctx):
-        if self.training and self.rate == 0:
-            return None
+        if (self.rate == 0) if self.training else bool(self.tau[l].isnan()):
+            return None  # dense: no score needed
         score = self.score(stream, state, x, l)  # [B, T], fp32
         if self.training:
             route, kth = topk_route(score, capacity(score.size(1), self.rate))
@@ -527,8 +539,6 @@ class TopKMoD(nn.Module):
                     kth = kth.mean()
                     old = self.tau[l]
                     self.tau[l] = torch.where(old.isnan(), kth, self.tau_decay * old + (1 - self.tau_decay) * kth)
-        elif self.tau[l].isnan():
-            return None
         else:
             route = mask_route(score >= self.tau[l], score)
         return self.finish(route)
@@ -714,7 +724,7 @@ class GPT(nn.Module):
             return self.stream.write(state, l, f(x, self.rope[pos:pos + T], cache=cache))
         ctx["executed"][l] = route.executed
         if route.idx is not None and route.idx.size(1) == 0:
-            return state  # nobody runs this sublayer
+            return self.stream.skip(state, l)  # nobody runs this sublayer
         rope = self.rope[pos:pos + T] if route.idx is None else self.rope[pos + route.idx]
         key_bias = route.key_bias
         if cache is not None and route.valid is not None:  # padding is never a key later on

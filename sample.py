@@ -4,6 +4,12 @@ Sample from a trained nanodepth model.
     python sample.py --out_dir=out-shakespeare-char-cpu
     python sample.py --out_dir=out-shakespeare-char-cpu --start="ROMEO:" --num_samples=3 --temperature=0.7
     python sample.py --out_dir=out-gpt2-owt --start=FILE:prompt.txt
+    python sample.py --out_dir=out-nag-mod --kv_cache=False   # recompute the context every token (comparison)
+
+Generation uses a per-layer KV cache by default (kv_cache=True). tokens/s goes to stderr, and for a
+Mixture-of-Depths model (mod != none) so does the realised skip rate of every sublayer, 1 - executed /
+tokens over everything generated (eval routing: a token runs sublayer l iff its score >= tau_l; a
+sublayer whose tau is nan runs every token).
 """
 
 import os
@@ -28,6 +34,7 @@ DEFAULTS = dict(
     device="auto",
     dtype="auto",
     compile=False,
+    kv_cache=True,  # False: recompute the whole (cropped) context for every new token
 )
 
 
@@ -62,8 +69,13 @@ def main(argv):
     torch.manual_seed(cfg["seed"])
 
     ckpt = load_checkpoint(os.path.join(cfg["out_dir"], "ckpt.pt"), device)
-    model = GPT(GPTConfig(**ckpt["model_args"]))
-    model.load_state_dict(ckpt["model"])
+    try:
+        config = GPTConfig(**ckpt["model_args"])
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"the checkpoint's model_args do not make a model here ({e}); "
+                          f"sample it with the code version that trained it") from None
+    model = raw_model = GPT(config)
+    model.load_state_dict(ckpt["model"])  # MoD checkpoints carry their thresholds (mod.tau) as a buffer
     model.eval().to(device)
     if cfg["compile"]:
         model = torch.compile(model)
@@ -88,14 +100,34 @@ def main(argv):
     autocast = (torch.autocast(device_type=device.type, dtype=getattr(torch, cfg["dtype"]))
                 if cfg["dtype"] != "float32" else torch.autocast(device_type=device.type, enabled=False))
     t0, n_new = time.time(), 0
+    executed, processed = [0.0] * config.n_sublayers, 0  # tokens run per sublayer; tokens processed
     with torch.no_grad(), autocast:
         for _ in range(cfg["num_samples"]):
-            y = model.generate(x, cfg["max_new_tokens"], temperature=cfg["temperature"], top_k=cfg["top_k"])
+            y = raw_model.generate(x, cfg["max_new_tokens"], temperature=cfg["temperature"], top_k=cfg["top_k"],
+                                   kv_cache=cfg["kv_cache"])
+            stats = raw_model.generate_stats
+            executed = [a + float(b) for a, b in zip(executed, stats["executed"])]
+            processed += stats["tokens"]
             n_new += y.size(1) - x.size(1)
             print(decode(y[0].tolist()))
             print("---------------")
     dt = time.time() - t0
-    print(f"{n_new} tokens in {dt:.2f}s ({n_new / dt:.0f} tokens/s)", file=sys.stderr)
+    how = "KV cache" if cfg["kv_cache"] else "no KV cache: the context recomputed per token"
+    print(f"{n_new} tokens in {dt:.2f}s ({n_new / max(dt, 1e-9):.0f} tokens/s, {how})", file=sys.stderr)
+    if config.mod != "none" and processed:
+        print(skip_rate_line(executed, processed), file=sys.stderr)
+
+
+def sublayer_names(n_sublayers):
+    """attn1 mlp1 attn2 mlp2 ...: sublayers 1..2L by kind and transformer block."""
+    return [f"{'attn' if l % 2 == 0 else 'mlp'}{l // 2 + 1}" for l in range(n_sublayers)]
+
+
+def skip_rate_line(executed, tokens):
+    """'skip rate per sublayer: attn1 0.25 mlp1 0.31 ... (mean 0.28)' from the tokens each sublayer ran."""
+    rates = [1.0 - e / tokens for e in executed]
+    parts = " ".join(f"{name} {r:.2f}" for name, r in zip(sublayer_names(len(rates)), rates))
+    return f"skip rate per sublayer: {parts} (mean {sum(rates) / len(rates):.3f})"
 
 
 if __name__ == "__main__":

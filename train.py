@@ -7,6 +7,9 @@ DDP, 8 GPUs on one node (gloo instead of NCCL when there is no GPU):
     torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2_owt.py
 Resume the run in out_dir:
     python train.py config/shakespeare_char_cpu.py --init_from=resume
+Mixture-of-Depths (SPEC §3; GPTConfig's keys mod, mod_rate and skip_target are config keys too):
+    python train.py config/shakespeare_char_cpu.py --residual=nag --mod=nag --mod_rate=0.25
+    python train.py config/shakespeare_char_cpu.py --residual=sandwich --mod=skip_middle --mod_rate=0.25
 Ctrl-C (SIGINT) or SIGTERM checkpoints at the next step boundary and prints the resume command.
 """
 
@@ -29,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import ConfigError, configure
 from flops import iterations_for_budget, mfu, train_flops_per_token
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, SkipMiddle
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 EVAL_SEED = 12345  # evals use the same batches every time, in every run: losses are comparable
@@ -71,7 +74,8 @@ DEFAULTS = dict(
     compile=False,
     seed=1337,
 )
-MODEL_KEYS = [f.name for f in fields(GPTConfig) if f.name != "vocab_size"]  # vocab comes from the data
+# every GPTConfig field but vocab_size (it comes from the data), e.g. residual, mod, mod_rate, skip_target
+MODEL_KEYS = [f.name for f in fields(GPTConfig) if f.name != "vocab_size"]
 DEFAULTS.update({f.name: f.default for f in fields(GPTConfig) if f.name != "vocab_size"})
 
 
@@ -215,6 +219,25 @@ class StopSignals:
             signal.signal(s, handler)
 
 
+def wrap_ddp(model, config, device):
+    """DDP. Rope tables are buffers: no need to broadcast them, and evals run on rank 0 alone.
+    skip_middle gathers out the tokens whose gate is 0: once a middle block is off for every token
+    of a rank's batch, its parameters get no gradient there, which DDP must be told to expect."""
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
+               find_unused_parameters=config.mod == "skip_middle")
+
+
+def average_gate_stats(mod, world):
+    """DDP, mod=skip_middle: make every rank's controller see the same gate statistics (else lam and
+    mu drift apart): the mean over ranks, and the variance of the pooled batch (the mean of the
+    ranks' variances plus the variance of their means). One small all_reduce per step."""
+    stats = torch.cat([mod.gate_mean, mod.gate_var, mod.gate_mean.square()])
+    dist.all_reduce(stats)
+    mean, var, mean_sq = (stats / world).chunk(3)
+    mod.gate_mean.copy_(mean)
+    mod.gate_var.copy_(var + mean_sq - mean.square())
+
+
 # -----------------------------------------------------------------------------
 
 def main(argv):
@@ -289,13 +312,14 @@ def main(argv):
     optimizer = model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"],
                                            (cfg["beta1"], cfg["beta2"]), device.type)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg["dtype"] == "float16")
-    iter_num, best_val_loss = 0, float("inf")
+    iter_num, best_val_loss, flops_base = 0, float("inf"), None
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         if "scaler" in ckpt:
             scaler.load_state_dict(ckpt["scaler"])
         iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
+        flops_base = ckpt.get("flops")  # the realised training FLOPs so far (older checkpoints: None)
         rngs = ckpt.get("rng", [])
         if len(rngs) == world:
             torch.set_rng_state(rngs[rank]["torch"].cpu())
@@ -310,21 +334,24 @@ def main(argv):
             print("compiling the model...")
         model = torch.compile(model)
     if ddp:
-        # rope tables are buffers: no need to broadcast them, and evals run on rank 0 alone
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                    broadcast_buffers=False)
+        model = wrap_ddp(model, gptconf, device)
 
     tokens_per_iter = accum * world * cfg["batch_size"] * cfg["block_size"]
-    flops_per_token = train_flops_per_token(gptconf)
+    flops_per_token = train_flops_per_token(gptconf)  # MoD nag/router: at the capacity mod_keep; skip_middle: dense
     if cfg["max_flops"] is not None:  # iso-FLOP: the budget sets the iterations, and the LR schedule with them
         follows = lr_decay_iters == cfg["max_iters"]
         cfg["max_iters"] = iterations_for_budget(cfg["max_flops"], flops_per_token, tokens_per_iter)
         lr_decay_iters = cfg["max_iters"] if follows else lr_decay_iters
         if master:
-            print(f"max_flops {cfg['max_flops']:.3g} at {flops_per_token:,.0f} FLOPs/token: {cfg['max_iters']:,} iters")
+            print(f"max_flops {cfg['max_flops']:.3g} at {flops_per_token:,.0f} FLOPs/token: {cfg['max_iters']:,} iters"
+                  + (" (skip_middle: counted dense, an upper bound; log.jsonl has the realised FLOPs)"
+                     if gptconf.mod == "skip_middle" else ""))
+    if flops_base is None:
+        flops_base = iter_num * tokens_per_iter * flops_per_token
     gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None  # MFU: None on CPU
     if master:
-        print(f"{cfg['residual']}: {gptconf.n_layer} layers, {gptconf.n_embd} wide, "
+        mod_note = f" + mod={gptconf.mod} at mod_rate {gptconf.mod_rate:g}" if gptconf.mod != "none" else ""
+        print(f"{cfg['residual']}{mod_note}: {gptconf.n_layer} layers, {gptconf.n_embd} wide, "
               f"{raw_model.get_num_params() / 1e6:.2f}M non-embedding params | {device} {cfg['dtype']} | "
               f"{world} process(es) x {accum} micro-steps x {cfg['batch_size']} x {cfg['block_size']} "
               f"= {tokens_per_iter:,} tokens/iter")
@@ -364,11 +391,21 @@ def main(argv):
         dist.all_gather_object(gathered, rngs)
         return gathered
 
-    def save(rngs):
+    def flops_so_far():
+        """Training FLOPs of the run so far, counted from each micro-step's realised executed fractions
+        (a collective under DDP: the sum over ranks)."""
+        if not ddp:
+            return flops_base + flops_local
+        total = torch.tensor([flops_local], dtype=torch.float64, device=device)
+        dist.all_reduce(total)
+        return flops_base + total.item()
+
+    def save(rngs, flops):
         save_checkpoint({
             "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
             "scaler": scaler.state_dict(), "model_args": asdict(gptconf),
             "iter_num": iter_num, "best_val_loss": best_val_loss, "config": cfg, "rng": rngs,
+            "flops": flops,
         }, ckpt_path)
         print(f"saved checkpoint to {ckpt_path}")
 
@@ -377,6 +414,9 @@ def main(argv):
     t_last, iters_since, train_time = time.time(), 0, 0.0
     lossf = float("nan")
     bad_steps = 0  # consecutive optimizer steps skipped for non-finite gradients
+    micro_tokens = cfg["batch_size"] * cfg["block_size"]  # per rank and micro-step
+    flops_local, flops_last = 0.0, flops_base  # this rank's training FLOPs since start; the run's at the last eval
+    exec_sum, exec_n = None, 0  # MoD: executed fractions per sublayer, summed over micro-steps since the last eval
     stop = StopSignals().install()  # restored when the loop ends (normally, by a signal or by NaNs)
     while True:
         lr = get_lr(iter_num)
@@ -384,7 +424,7 @@ def main(argv):
             group["lr"] = lr
         is_eval = iter_num % cfg["eval_interval"] == 0 or iter_num == cfg["max_iters"]
         if is_eval and (iter_num != start_iter or start_iter == 0 or cfg["eval_only"]):
-            rngs = all_rng_states()
+            rngs, flops = all_rng_states(), flops_so_far()
             if master:
                 losses = estimate_loss()
                 ms = 1000 * train_time / max(iters_since, 1)
@@ -392,8 +432,19 @@ def main(argv):
                           "train_loss": round(losses["train"], 6), "val_loss": round(losses["val"], 6),
                           "lr": lr, "ms_per_iter": round(ms, 2),
                           "tokens_per_s": round(tokens_per_iter / (ms / 1000), 1) if iters_since else None}
-                record["flops"] = iter_num * tokens_per_iter * flops_per_token
-                record["mfu"] = mfu(flops_per_token, record["tokens_per_s"], gpu_name, world)
+                record["flops"] = flops
+                # MFU from the FLOPs these iterations really did (MoD: their executed fractions)
+                recent = (flops - flops_last) / (iters_since * tokens_per_iter) if iters_since else flops_per_token
+                record["mfu"] = mfu(recent, record["tokens_per_s"], gpu_name, world)
+                if gptconf.mod != "none":
+                    # the mean over the training micro-steps since the last eval (None: none yet), and
+                    # eval routing (thresholds tau) on the last val batch
+                    fracs = {"train": [x / exec_n for x in exec_sum] if exec_n else None,
+                             "eval": raw_model.executed_fraction() if cfg["eval_iters"] else None}
+                    for k, frac in fracs.items():
+                        record[f"exec_{k}"] = None if frac is None else [round(x, 4) for x in frac]
+                    print(f"step {iter_num}: executed fraction (mean over sublayers) " + ", ".join(
+                        f"{k} {sum(frac) / len(frac):.3f}" for k, frac in fracs.items() if frac is not None))
                 if cfg["diagnose"]:
                     X, _ = get_batch(paths["val"], cfg["batch_size"], cfg["block_size"],
                                      torch.Generator().manual_seed(EVAL_SEED), device)
@@ -406,8 +457,9 @@ def main(argv):
                 improved = losses["val"] < best_val_loss
                 best_val_loss = min(best_val_loss, losses["val"])
                 if iter_num > 0 and (improved or cfg["always_save_checkpoint"]):
-                    save(rngs)
+                    save(rngs, flops)
             train_time, iters_since = 0.0, 0
+            flops_last, exec_sum, exec_n = flops, None, 0
             t_last = time.time()
         if iter_num >= cfg["max_iters"] or cfg["eval_only"]:
             break
@@ -421,7 +473,7 @@ def main(argv):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             signum = int(flag.item())
         if signum:
-            rngs = all_rng_states()
+            rngs, flops = all_rng_states(), flops_so_far()
             if master:
                 # the interrupt checkpoint is the resume point, so it goes to ckpt.pt; when only
                 # improvements are saved, ckpt.pt holds the best model so far: keep it as ckpt_best.pt
@@ -433,7 +485,7 @@ def main(argv):
                         os.link(ckpt_path, best_path)  # a hard link: instant, and ckpt.pt stays in place
                     except OSError:  # a file system without hard links
                         shutil.copyfile(ckpt_path, best_path)
-                save(rngs)
+                save(rngs, flops)
             stop.restore()  # only now: a repeated signal must not break off the save
             if ddp:
                 dist.barrier()
@@ -452,6 +504,13 @@ def main(argv):
                     _, loss = model(X, Y)
                     loss = loss / accum
                 scaler.scale(loss).backward()
+            if gptconf.mod == "none":
+                flops_local += flops_per_token * micro_tokens
+            else:  # python numbers: no GPU sync (skip_middle's routing has already synced)
+                frac = raw_model.executed_fraction()
+                flops_local += train_flops_per_token(gptconf, frac) * micro_tokens
+                exec_sum = frac if exec_sum is None else [a + b for a, b in zip(exec_sum, frac)]
+                exec_n += 1
         scaler.unscale_(optimizer)  # a no-op without fp16; the norm below must be of the true gradients
         params = [p for p in model.parameters() if p.grad is not None]
         if cfg["grad_clip"] > 0:
@@ -463,6 +522,9 @@ def main(argv):
         # scaler's own skip (not added to it): update() still lowers the scale after a bad step.
         if torch.isfinite(grad_norm).item():
             scaler.step(optimizer)
+            if ddp and isinstance(raw_model.mod, SkipMiddle):
+                average_gate_stats(raw_model.mod, world)
+            raw_model.after_step()  # skip_middle: the sparsity controller moves lam, mu
             bad_steps = 0
         else:
             bad_steps += 1

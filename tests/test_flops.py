@@ -22,19 +22,31 @@ aten = torch.ops.aten
 
 def cpu_sdpa_flop(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs):
     """FlopCounterMode has a formula for the GPU SDPA kernels (the full T x T square, the causal
-    mask ignored) but none for the CPU kernel, which it counts as 0: give it the same formula."""
+    mask ignored) but none for the CPU kernel, which it counts as 0: give it the same formula.
+    It takes the query and key lengths apart, so it also holds with an explicit attn_mask
+    (skip_middle's gated keys, a KV cache: t queries against n keys, the full t x n rectangle)."""
     return sdpa_flop_count(q_shape, k_shape, v_shape)
+
+
+CPU_SDPA = {aten._scaled_dot_product_flash_attention_for_cpu: cpu_sdpa_flop}
+
+
+def count_forward(model, idx):
+    """FlopCounterMode's FLOPs per token of one forward of model (in its current train/eval mode)."""
+    with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=CPU_SDPA) as counter:
+        model(idx, idx)  # with targets: the head runs on every position
+    return counter.get_total_flops() / idx.numel()
 
 
 def counted_flops(config, B=2):
     """FlopCounterMode's forward FLOPs per token of the real model on a full training batch."""
     torch.manual_seed(0)
     model = GPT(config)
-    idx = torch.randint(0, config.vocab_size, (B, config.block_size))
-    with torch.no_grad(), FlopCounterMode(display=False, custom_mapping={
-            aten._scaled_dot_product_flash_attention_for_cpu: cpu_sdpa_flop}) as counter:
-        model(idx, idx)  # with targets: the head runs on every position
-    return counter.get_total_flops() / (B * config.block_size)
+    return count_forward(model, torch.randint(0, config.vocab_size, (B, config.block_size)))
+
+
+def matmul_part(parts):
+    return sum(v for k, v in parts.items() if k in flops.MATMUL)
 
 
 CONFIGS = [dict(residual=r) for r in ("prenorm", "sandwich", "nag", "attnres", "block_attnres")] + [
@@ -45,7 +57,7 @@ CONFIGS = [dict(residual=r) for r in ("prenorm", "sandwich", "nag", "attnres", "
 def test_matmul_flops_match_flop_counter(kw):
     config = GPTConfig(block_size=48, vocab_size=65, n_layer=3, n_head=2, n_embd=32, kernels="torch", **kw)
     parts = flops.forward_flops(config)
-    analytic = sum(v for k, v in parts.items() if k in flops.MATMUL)
+    analytic = matmul_part(parts)
     assert counted_flops(config) == pytest.approx(analytic, rel=0.02)
     # what the counter does not see is only the small extras (AttnRes depth mixing)
     assert sum(parts.values()) - analytic <= 0.05 * analytic
@@ -76,6 +88,81 @@ def test_exec_frac_scales_each_sublayer():
     assert flops.train_flops_per_token(config, [0.5] * 4) == 3 * sum(half.values())
     with pytest.raises(ValueError, match="one per sublayer"):
         flops.forward_flops(config, [1.0] * 3)
+
+
+def test_mod_defaults_and_extras():
+    base = dict(block_size=64, vocab_size=65, n_layer=2, n_head=2, n_embd=32)
+    d, n = 32, 4
+    # top-k modes: without a measured fraction, every sublayer runs its training capacity k / T
+    nag = GPTConfig(**base, residual="nag", mod="nag", mod_rate=0.25)
+    assert nag.mod_keep == 48 / 64
+    assert flops.forward_flops(nag) == flops.forward_flops(nag, [0.75] * n)
+    assert flops.forward_flops(nag)["mlp"] == 0.75 * flops.forward_flops(GPTConfig(**base, residual="nag"))["mlp"]
+    # the router: 2d per sublayer, on every token; at mod_rate 0 the model never routes (nor runs it)
+    router = GPTConfig(**base, mod="router", mod_rate=0.5)
+    assert flops.forward_flops(router)["router"] == flops.forward_flops(router, [0.1] * n)["router"] == 2 * d * n
+    assert "router" not in flops.forward_flops(GPTConfig(**base, mod="router"))
+    assert flops.forward_flops(GPTConfig(**base, mod="router")) == flops.forward_flops(GPTConfig(**base))
+    # skip_middle: no fixed capacity (dense unless measured), plus L/2 gate producers of 2d each
+    skip = GPTConfig(**base, residual="sandwich", mod="skip_middle", mod_rate=0.25)
+    parts = flops.forward_flops(skip)
+    assert parts["skip_gates"] == 2 * d * 1 and "skip_gates" in flops.MATMUL
+    assert {k: v for k, v in parts.items() if k != "skip_gates"} == flops.forward_flops(
+        GPTConfig(**base, residual="sandwich"))
+    assert flops.train_flops_per_token(skip, [0.5] * n) < flops.train_flops_per_token(skip)
+
+
+MOD_CONFIGS = [dict(residual="nag", mod="nag"), dict(residual="prenorm", mod="router"),
+               dict(residual="attnres", mod="router"), dict(residual="sandwich", mod="skip_middle")]
+
+
+@pytest.mark.parametrize("train_mode", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("kw", MOD_CONFIGS, ids=lambda kw: f"{kw['residual']}-{kw['mod']}")
+def test_mod_flops_follow_the_executed_fraction(kw, train_mode):
+    """On a real forward, FlopCounterMode's matmul FLOPs fall to the executed-fraction prediction:
+    skipped tokens are gathered out of the matmuls (and out of attention), not masked."""
+    config = GPTConfig(block_size=48, vocab_size=65, n_layer=4, n_head=2, n_embd=32, kernels="torch",
+                       mod_rate=0.5, **kw)
+    torch.manual_seed(0)
+    model = GPT(config)
+    # top-k training keeps k tokens in every row; mask routing (eval, skip_middle) keeps different
+    # counts per row and pads to the longest, so those run one row: the padding is not skipped work
+    B = 2 if train_mode and kw["mod"] != "skip_middle" else 1
+    idx = torch.randint(0, config.vocab_size, (B, config.block_size))
+    if kw["mod"] == "skip_middle":
+        with torch.no_grad():  # large producer weights: many tokens saturate, their gate is exactly 0
+            for p in model.mod.producers:
+                p.weight.mul_(100)
+    elif not train_mode:
+        warm = torch.randint(0, config.vocab_size, (4, config.block_size))
+        model(warm, warm)  # a training forward on other tokens sets the thresholds tau (mean k-th largest score)
+        assert torch.isfinite(model.mod.tau).all()
+    model.train(train_mode)
+    counted = count_forward(model, idx)
+    frac = model.executed_fraction()
+    assert all(0 < f <= 1 for f in frac) and sum(frac) / len(frac) < 0.8  # tokens were skipped
+    if train_mode and kw["mod"] != "skip_middle":
+        assert frac == pytest.approx([config.mod_keep] * config.n_sublayers)
+    predicted = matmul_part(flops.forward_flops(config, frac))
+    assert counted == pytest.approx(predicted, rel=0.03)
+    # real savings: the dense model of the same shape counts more, by the predicted amount
+    dense_config = GPTConfig(**{**config.__dict__, "mod": "none", "mod_rate": 0.0})
+    dense = counted_flops(dense_config)
+    assert counted < 0.85 * dense
+    assert dense - counted == pytest.approx(matmul_part(flops.forward_flops(dense_config)) - predicted, rel=0.05)
+
+
+def test_sdpa_count_with_a_mask_is_the_full_rectangle():
+    """skip_middle and KV-cache steps call SDPA with an explicit float attn_mask and t queries
+    against n keys: torch's CPU kernel is the same op, and the count is 4 t n hd per head."""
+    B, nh, t, n, hd = 2, 3, 5, 11, 8
+    q, k, v = torch.randn(B, nh, t, hd), torch.randn(B, nh, n, hd), torch.randn(B, nh, n, hd)
+    mask = torch.zeros(B, 1, t, n)
+    mask[..., 0] = float("-inf")
+    for kwargs in (dict(attn_mask=mask), dict(is_causal=False)):
+        with FlopCounterMode(display=False, custom_mapping=CPU_SDPA) as counter:
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
+        assert counter.get_total_flops() == 4 * B * nh * t * n * hd, kwargs
 
 
 @pytest.mark.parametrize("residual, blocks", [("attnres", None), ("block_attnres", 3), ("block_attnres", None)])
@@ -162,10 +249,12 @@ def test_train_max_flops(data_dir, tmp_path):
 def test_shipped_sweep_configs_are_valid(path):
     sw = configure([str(path)], flops.SWEEP_DEFAULTS)
     cfg = configure([str(REPO / sw["train_config"]), *sw["train_args"]], train.DEFAULTS)
+    shape = {k: cfg[k] for k in ("n_head", "n_embd", "block_size")}
     for L in sw["depths"]:
         for r in sw["residuals"]:
-            GPTConfig(vocab_size=65, **{**{k: cfg[k] for k in ("n_head", "n_embd", "block_size")},
-                                        "n_layer": L, "residual": r})
+            GPTConfig(vocab_size=65, **shape, n_layer=L, residual=r)
+        for r, mod, rate in sw["mod_runs"]:  # every MoD run is a valid residual / mod pair
+            GPTConfig(vocab_size=65, **shape, n_layer=L, residual=r, mod=mod, mod_rate=rate)
 
 
 def test_sweep_resumes_and_reports_failures(data_dir, tmp_path, capsys):
@@ -180,16 +269,26 @@ def test_sweep_resumes_and_reports_failures(data_dir, tmp_path, capsys):
             "--depths=[0, 1, 2]", f"--budget={3 * per_token * 4 * 32}", "--mod_runs=[('nag', 'nag', 0.25)]"]
     rows = flops.run_sweep(argv)
     out = capsys.readouterr().out
-    if "mod" not in GPTConfig.__dataclass_fields__:
-        assert "notice: skipping nag with mod=nag" in out and len(rows) == 3  # MoD runs are not faked
-    assert [r["status"] for r in rows] == ["failed", "done", "done"]
+    statuses = ["failed", "done", "done"] * 2  # prenorm at depths 0, 1, 2, then nag with MoD at each depth
+    assert [r["run"] for r in rows[3:]] == ["nag_L0_nag0.25", "nag_L1_nag0.25", "nag_L2_nag0.25"]
+    assert [r["status"] for r in rows] == statuses
     assert rows[1]["iters"] == 3 and rows[2]["iters"] < rows[1]["iters"]  # the deeper run buys fewer iterations
+    # a MoD run's FLOPs per token are what it realised: top-k training runs mod_keep of every sublayer
+    mod_config = GPTConfig(vocab_size=65, n_layer=1, n_head=2, n_embd=32, block_size=32, residual="nag",
+                           mod="nag", mod_rate=0.25)
+    assert (rows[4]["mod"], rows[4]["mod_rate"]) == ("nag", 0.25)
+    assert rows[4]["train_flops_per_token"] == pytest.approx(flops.train_flops_per_token(mod_config))
+    assert rows[4]["train_flops_per_token"] < flops.train_flops_per_token(mod_config, [1.0] * 2)
     root = tmp_path / "s"
+    assert all(r["exec_train"] == [mod_config.mod_keep] * 2 for r in
+               map(json.loads, open(root / "nag_L1_nag0.25" / "log.jsonl")) if r["iter"] > 0)
     for name in ("results.csv", "results.md", "results.png"):
         assert (root / name).stat().st_size > 0
     with open(root / "results.csv") as f:
-        assert [r["status"] for r in csv.DictReader(f)] == ["failed", "done", "done"]
-    assert "| prenorm_L0 | prenorm | 0 | - | 0 | failed |" in (root / "results.md").read_text()
+        assert [r["status"] for r in csv.DictReader(f)] == statuses
+    table = (root / "results.md").read_text()
+    assert "| prenorm_L0 | prenorm | 0 | - | 0 | failed |" in table
+    assert "| nag_L1_nag0.25 | nag | 1 | nag | 0.25 | done |" in table
 
     # the sweep is killed during prenorm_L2: it left a checkpoint but no `done` marker
     os.remove(root / "prenorm_L2" / "done")
@@ -201,4 +300,5 @@ def test_sweep_resumes_and_reports_failures(data_dir, tmp_path, capsys):
     assert (root / "prenorm_L1" / "log.jsonl").read_text() == finished
     assert (root / "prenorm_L1" / "stdout.txt").read_text().count("max_flops") == 1  # trained once
     assert "resuming from" in (root / "prenorm_L2" / "stdout.txt").read_text()
-    assert [r["status"] for r in rows] == ["failed", "done", "done"]
+    assert "nag_L1_nag0.25: already finished, skipped" in out
+    assert [r["status"] for r in rows] == statuses

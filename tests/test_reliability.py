@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import fields
 
 import pytest
 import torch
@@ -20,8 +19,6 @@ import train
 from model import GPT, GPTConfig
 from test_train import (REPO, TOL, assert_one_line_error, in_process, load_ckpt, read_log, run,  # noqa: F401
                         tiny_args, tiny_dataset)
-
-HAS_MOD = "mod" in {f.name for f in fields(GPTConfig)}  # Mixture-of-Depths lands in its own issue
 
 
 def assert_same_run(a_dir, b_dir, log_from=0):
@@ -276,10 +273,8 @@ def _not_utf8(tmp):
     return f"FILE:{tmp / 'prompt.bin'}"
 
 
-def _mod_pair(data, out, tmp):
-    if not HAS_MOD:
-        pytest.skip("Mixture-of-Depths (GPTConfig.mod) is not in this branch yet")
-    return ["train.py", *tiny_args(data, tmp / "o", residual="prenorm", mod="nag")]
+def _mod(**kw):
+    return lambda data, out, tmp: ["train.py", *tiny_args(data, tmp / "o", **kw)]
 
 
 @pytest.mark.parametrize("make, needles", [
@@ -287,9 +282,14 @@ def _mod_pair(data, out, tmp):
     (_sample(lambda tmp: f"FILE:{tmp / 'missing.txt'}"), ["missing.txt", "No such file", "--start=FILE:"]),
     (_sample(lambda tmp: f"FILE:{tmp}"), ["cannot read the prompt file", "--start=FILE:"]),
     (_sample(_not_utf8), ["prompt.bin", "not UTF-8", "--start=FILE:"]),
-    (_mod_pair, ["mod", "residual"]),
+    (_mod(residual="prenorm", mod="nag", mod_rate=0.25),
+     ["mod=nag does not work with residual=prenorm", "use residual=nag"]),
+    (_mod(residual="nag", mod="router", mod_rate=0.25),
+     ["mod=router does not work with residual=nag", "use mod=nag"]),
+    (_mod(residual="sandwich", mod="skip_middle", n_layer=3), ["n_layer must be even", "got 3"]),
+    (_mod(mod_rate=0.25), ["mod_rate=0.25 needs a mod", "--mod=nag"]),
 ], ids=["vocab-vs-checkpoint", "start-file-missing", "start-file-is-a-dir", "start-file-not-utf8",
-        "residual-mod-pair"])
+        "residual-mod-pair", "nag-router-pair", "skip-middle-odd-depth", "mod-rate-without-mod"])
 def test_bad_input_is_a_one_line_error(make, needles, tiny_run, tmp_path):
     data, out = tiny_run
     before = (out / "ckpt.pt").read_bytes()
@@ -307,9 +307,8 @@ def _config_strategy():
         n_layer=st.integers(1, 6), n_head=st.integers(1, 3), head_size=st.sampled_from([2, 4, 8]),
         block_size=st.integers(1, 16), nag_channels=st.integers(1, 4),
         blocks=st.one_of(st.none(), st.integers(1, 12)),
+        mod=st.sampled_from(sorted(model_module.MODS)), mod_rate=st.sampled_from([0.0, 0.25, 0.5, 0.9]),
     )
-    if HAS_MOD and hasattr(model_module, "MODS"):
-        draws["mod"] = st.sampled_from(sorted(model_module.MODS))
     return st.fixed_dictionaries(draws)
 
 
@@ -318,8 +317,8 @@ def _build(d):
               block_size=d["block_size"], vocab_size=65, nag_channels=d["nag_channels"])
     if d["residual"] == "block_attnres" and d["blocks"] is not None:
         kw["attnres_blocks"] = min(d["blocks"], 2 * d["n_layer"])
-    if "mod" in d:
-        kw["mod"] = d["mod"]
+    kw["mod"] = d["mod"]
+    kw["mod_rate"] = d["mod_rate"] if d["mod"] != "none" else 0.0
     return kw
 
 
@@ -328,8 +327,8 @@ def _build(d):
 def test_random_valid_configs_train(d, batch):
     try:
         config = GPTConfig(**_build(d))
-    except ValueError as e:  # only a residual/mod pair may be refused, and then with a message
-        assert "mod" in d and str(e), e
+    except ValueError as e:  # only a residual/mod pair (or skip_middle's odd depth) may be refused
+        assert d["mod"] != "none" and "mod" in str(e) and "\n" not in str(e), e
         return
     with torch.random.fork_rng():
         torch.manual_seed(0)
@@ -339,9 +338,19 @@ def test_random_valid_configs_train(d, batch):
         idx = torch.randint(0, 65, (batch, config.block_size))
         _, loss = model(idx, torch.roll(idx, -1, 1))
         loss.backward()
+        model.after_step()  # skip_middle's controller
+        frac_train = model.executed_fraction()
+        model.eval()  # eval routing: thresholds tau from the training forward
+        with torch.no_grad():
+            logits, _ = model(idx)
         torch.set_num_threads(threads)
-    assert torch.isfinite(loss)
+    assert torch.isfinite(loss) and torch.isfinite(logits).all()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    for frac in (frac_train, model.executed_fraction()):
+        assert len(frac) == 2 * config.n_layer and all(0.0 <= f <= 1.0 for f in frac)
+    if config.mod in ("nag", "router"):  # top-k: every sublayer runs its capacity k / T in training
+        assert frac_train == pytest.approx([config.mod_keep] * (2 * config.n_layer))
+        assert torch.isfinite(model.mod.tau).all() == (config.mod_rate > 0)
 
 
 INVALID = [  # one fault each, on top of a valid config
@@ -350,6 +359,11 @@ INVALID = [  # one fault each, on top of a valid config
     dict(residual="postnorm"), dict(residual=""), dict(nag_channels=0), dict(dropout=1.0), dict(dropout=-0.1),
     dict(kernels="cuda"), dict(residual="block_attnres", attnres_blocks=0),
     dict(residual="block_attnres", attnres_blocks=99),
+    dict(mod="depth"), dict(mod_rate=1.0), dict(mod_rate=-0.1), dict(mod="none", mod_rate=0.25),
+    dict(residual="prenorm", mod="nag"), dict(residual="nag", mod="router"),
+    dict(residual="nag", mod="skip_middle"), dict(residual="sandwich", mod="skip_middle", n_layer=3),
+    dict(residual="sandwich", mod="skip_middle", n_layer=2, skip_target=1.5),
+    dict(residual="nag", mod="nag", skip_target=0.5),
 ]
 
 

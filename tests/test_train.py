@@ -19,9 +19,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+import flops  # noqa: E402
 import train  # noqa: E402
 from configurator import ConfigError, configure  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from model import GPT, GPTConfig, SkipMiddle  # noqa: E402
 
 TOL = 1e-5  # fp32 on CPU; log.jsonl rounds losses to 6 decimals
 LOG_KEYS = {"iter", "tokens", "train_loss", "val_loss", "lr", "ms_per_iter", "tokens_per_s", "flops", "mfu"}
@@ -393,3 +394,138 @@ def test_scratch_run_starts_a_new_log(data_dir, tmp_path, in_process):
     assert [r["iter"] for r in read_log(out)] == [0] and not (out / "ckpt.pt").exists()
     in_process(tiny_args(data_dir, out, max_iters=2))
     assert [r["iter"] for r in read_log(out)] == [0, 2]
+
+
+# -----------------------------------------------------------------------------
+# 8. Mixture-of-Depths: executed fractions in log.jsonl, FLOPs from them, routing state in the checkpoint
+
+MOD_LOG_KEYS = LOG_KEYS | {"exec_train", "exec_eval"}
+
+
+def test_mod_nag_run(data_dir, tmp_path, in_process):
+    """mod=nag at mod_rate 0.25: training runs k/T of every sublayer, eval routes by the saved thresholds."""
+    out = tmp_path / "out"
+    mod = dict(residual="nag", mod="nag", mod_rate=0.25)
+    in_process(tiny_args(data_dir, out, max_iters=4, lr_decay_iters=6, **mod))
+    config = GPTConfig(vocab_size=65, n_layer=2, n_head=2, n_embd=32, block_size=32, **mod)
+    keep = config.mod_keep  # k = ceil(0.75 * 32) = 24 of 32 tokens
+    assert keep == 0.75
+    log = read_log(out)
+    assert all(set(r) == MOD_LOG_KEYS and len(r["exec_eval"]) == 4 for r in log)
+    assert log[0]["exec_train"] is None  # no training step yet
+    assert log[0]["exec_eval"] == [1.0] * 4  # untrained thresholds (nan): every token runs
+    assert all(r["exec_train"] == [keep] * 4 for r in log[1:])
+    assert all(0 < x <= 1 for r in log[1:] for x in r["exec_eval"]) and min(log[-1]["exec_eval"]) < 1
+    # cumulative FLOPs at the capacity: less than the dense count of the same model
+    per_token = flops.train_flops_per_token(config)
+    assert per_token == flops.train_flops_per_token(config, [keep] * 4) < flops.train_flops_per_token(config, [1] * 4)
+    assert [r["flops"] for r in log] == pytest.approx([r["tokens"] * per_token for r in log])
+    ckpt = load_ckpt(out)
+    tau = ckpt["model"]["mod.tau"]
+    assert tau.shape == (4,) and torch.isfinite(tau).all()
+    assert ckpt["flops"] == pytest.approx(log[-1]["flops"])
+
+    # resume: the MoD keys come from the checkpoint; changing one is refused, before anything is touched
+    before = (out / "ckpt.pt").read_bytes()
+    with pytest.raises(ConfigError, match=r"trained with mod='nag', not 'router'; drop --mod"):
+        in_process(tiny_args(data_dir, out, init_from="resume", max_iters=6, residual="nag", mod="router"))
+    with pytest.raises(ConfigError, match=r"trained with mod_rate=0.25, not 0.5"):
+        in_process(tiny_args(data_dir, out, init_from="resume", max_iters=6, residual="nag", mod_rate=0.5))
+    assert (out / "ckpt.pt").read_bytes() == before
+    in_process(tiny_args(data_dir, out, init_from="resume", max_iters=6, lr_decay_iters=6))  # no MoD arguments
+    log = read_log(out)
+    assert [r["iter"] for r in log] == [0, 2, 4, 6] and log[-1]["exec_train"] == [keep] * 4
+    assert log[-1]["flops"] == pytest.approx(6 * tokens_per_iter(tiny_args(data_dir, out)) * per_token)
+    assert load_ckpt(out)["model_args"]["mod"] == "nag"
+
+
+class SaturatedGates(GPT):
+    """skip_middle with producer bias 1: s = ReLU(<w, x> + 1) >= 1 for about half the tokens, whose
+    gate is then exactly 0, so a short run really skips (with the init bias of 0 nothing saturates
+    in a few steps)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        if isinstance(self.mod, SkipMiddle):
+            with torch.no_grad():
+                for p in self.mod.producers:
+                    p.bias.fill_(1.0)
+
+
+def test_mod_skip_middle_run(data_dir, tmp_path, in_process, monkeypatch):
+    """mod=skip_middle (sandwich, 2 layers: one gate for both blocks): the controller moves lam and mu
+    after every step, FLOPs are counted from the realised gates, and resume equals a straight run."""
+    monkeypatch.setattr(train, "GPT", SaturatedGates)
+    mod = dict(residual="sandwich", mod="skip_middle", mod_rate=0.25, skip_target=0.5)
+    straight, out = tmp_path / "straight", tmp_path / "out"
+    in_process(tiny_args(data_dir, straight, max_iters=6, lr_decay_iters=6, **mod))
+    in_process(tiny_args(data_dir, out, max_iters=4, lr_decay_iters=6, **mod))
+    in_process(tiny_args(data_dir, out, init_from="resume", max_iters=6, lr_decay_iters=6))
+    a, b = read_log(out), read_log(straight)
+    assert [r["iter"] for r in a] == [r["iter"] for r in b] == [0, 2, 4, 6]
+    for x, y in zip(a, b):
+        assert abs(x["val_loss"] - y["val_loss"]) <= TOL and x["exec_eval"] == y["exec_eval"], (x, y)
+        assert x["exec_train"] == y["exec_train"] and x["flops"] == pytest.approx(y["flops"])
+    ca, cb = load_ckpt(out), load_ckpt(straight)
+    for k in cb["model"]:
+        torch.testing.assert_close(ca["model"][k], cb["model"][k], rtol=0, atol=1e-6)
+
+    config = GPTConfig(vocab_size=65, n_layer=2, n_head=2, n_embd=32, block_size=32, **mod)
+    tpi = tokens_per_iter(tiny_args(data_dir, out))
+    assert all(set(r) == MOD_LOG_KEYS for r in a)
+    for prev, r in zip(a, a[1:]):
+        frac = r["exec_train"]
+        assert len(frac) == 4 and frac[0] == frac[2] and frac[1] == frac[3]  # blocks 0 and 1 share g_0
+        assert 0 < min(frac) and max(frac) < 0.9 and min(r["exec_eval"]) < 0.9  # gates at 0 skip
+        # the FLOPs of the 2 iterations since the last eval, from the executed fractions (attention's
+        # score term is quadratic in them, so the mean fraction is close, not exact)
+        done = r["flops"] - prev["flops"]
+        assert done == pytest.approx(2 * tpi * flops.train_flops_per_token(config, frac), rel=0.02)
+        assert done < 0.9 * 2 * tpi * flops.train_flops_per_token(config)  # below the dense count
+    state = ca["model"]
+    assert state["mod.target"].tolist() == [0.5]
+    # the controller ran after each of the 6 steps: mean gates far below the target 0.5 pull lam down
+    assert state["mod.lam"].item() < -1e-3 and torch.isfinite(state["mod.mu"]).all()
+    assert "mod.gate_mean" not in state  # the last batch's statistics are not state
+
+
+def _gate_stats_rank(rank, world, init_file, out_dir):
+    """One DDP rank: its own gate statistics, averaged by train.py's helper, then the controller step;
+    and training steps through train.py's DDP wrapper while a rank skips whole blocks."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=65, n_layer=4, n_head=2, n_embd=16, block_size=8, residual="sandwich",
+                       mod="skip_middle", mod_rate=0.25)
+    model = GPT(config)
+    ddp = train.wrap_ddp(model, config, torch.device("cpu"))  # broadcasts rank 0's parameters
+    with torch.no_grad():  # rank 1: every gate saturates, so no block runs any token there
+        model.mod.producers[0].bias.fill_(5.0 * rank)
+    for _ in range(2):  # without find_unused_parameters the second step raises
+        idx = torch.randint(0, 65, (2, 8))
+        ddp(idx, idx)[1].backward()
+    assert model.executed_fraction() == ([0.0] * 8 if rank else [1.0] * 8)
+    gates = torch.rand(2, 64, generator=torch.Generator().manual_seed(rank))  # a different batch per rank
+    model.mod.gate_mean.copy_(gates.mean(1))
+    model.mod.gate_var.copy_(gates.var(1, unbiased=False))
+    train.average_gate_stats(model.mod, world)
+    model.after_step()
+    torch.save({k: getattr(model.mod, k) for k in ("gate_mean", "gate_var", "lam", "mu")}, f"{out_dir}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_ddp_skip_middle_controller_sees_the_same_statistics(tmp_path):
+    """Under DDP each rank's gates come from its own batch: train.py averages the statistics first, so
+    lam and mu stay identical on every rank (the mean over ranks; the variance of the pooled batch).
+    And a rank whose batch skips a whole block (no gradient for it there) does not break DDP."""
+    world = 2
+    torch.multiprocessing.start_processes(_gate_stats_rank, args=(world, str(tmp_path / "init"), str(tmp_path)),
+                                          nprocs=world, start_method="fork")  # no re-import in the children
+    got = [torch.load(tmp_path / f"{r}.pt", weights_only=True) for r in range(world)]
+    pooled = torch.cat([torch.rand(2, 64, generator=torch.Generator().manual_seed(r)) for r in range(world)], 1)
+    for g in got:
+        torch.testing.assert_close(g["gate_mean"], pooled.mean(1))
+        torch.testing.assert_close(g["gate_var"], pooled.var(1, unbiased=False))
+        for k in ("lam", "mu"):
+            assert torch.equal(g[k], got[0][k]) and g[k].abs().max() > 0, k

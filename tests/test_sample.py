@@ -1,0 +1,97 @@
+"""sample.py: KV-cache generation by default, tokens/s, and the realised MoD skip rate per sublayer.
+
+Checkpoints are written directly in train.py's format (train.save_checkpoint; what load_checkpoint and
+sample.load_codec read) from a tiny model trained for a few AdamW steps in-process: n_layer 2, n_embd 32.
+"""
+import re
+from dataclasses import asdict
+
+import pytest
+import torch
+
+import sample
+import train
+from model import GPT, GPTConfig
+
+BLOCK = 32
+
+
+def make_checkpoint(out_dir, data_dir, steps=30, **model_kw):
+    """A tiny shakespeare_char model trained `steps` AdamW steps, saved as out_dir/ckpt.pt."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ddir = data_dir / "shakespeare_char"
+    config = GPTConfig(block_size=BLOCK, vocab_size=train.dataset_vocab_size(str(ddir)), n_layer=2, n_head=2,
+                       n_embd=32, **model_kw)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = GPT(config)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(steps):
+            X, Y = train.get_batch(str(ddir / "train.bin"), 8, BLOCK, g, torch.device("cpu"))
+            _, loss = model(X, Y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    train.save_checkpoint({"model": model.state_dict(), "model_args": asdict(config), "iter_num": steps,
+                           "best_val_loss": float("inf"),
+                           "config": {"dataset": "shakespeare_char", "data_dir": str(data_dir), "batch_size": 4}},
+                          str(out_dir / "ckpt.pt"))
+    return model
+
+
+@pytest.fixture(scope="module")
+def mod_ckpt(data_dir, tmp_path_factory):
+    """residual=nag + mod=nag at mod_rate 0.5: training leaves finite thresholds tau in the checkpoint."""
+    out = tmp_path_factory.mktemp("sample") / "nag-mod"
+    model = make_checkpoint(out, data_dir, residual="nag", mod="nag", mod_rate=0.5)
+    assert torch.isfinite(model.mod.tau).all()
+    return out
+
+
+def run_sample(out_dir, capsys, *extra):
+    with torch.random.fork_rng():
+        sample.main([f"--out_dir={out_dir}", "--start=ROMEO:", "--num_samples=2", "--max_new_tokens=20",
+                     "--device=cpu", *extra])
+    return capsys.readouterr()
+
+
+SKIP_LINE = re.compile(r"^skip rate per sublayer: ((?:(?:attn|mlp)\d+ [01]\.\d\d ?)+) \(mean ([01]\.\d{3})\)$", re.M)
+
+
+def test_mod_checkpoint_prints_tokens_per_s_and_skip_rates(mod_ckpt, capsys):
+    out = run_sample(mod_ckpt, capsys, "--temperature=0")
+    assert re.search(r"^40 tokens in [\d.]+s \(\d+ tokens/s, KV cache\)$", out.err, re.M), out.err
+    m = SKIP_LINE.search(out.err)
+    assert m, out.err
+    pairs = m.group(1).split()
+    names, rates = pairs[0::2], [float(x) for x in pairs[1::2]]
+    assert names == ["attn1", "mlp1", "attn2", "mlp2"]
+    assert abs(sum(rates) / len(rates) - float(m.group(2))) < 0.01
+    assert all(0 <= r <= 1 for r in rates) and 0 < float(m.group(2)) < 1  # thresholds skip some, not all
+    assert out.out.count("ROMEO:") == 2
+
+
+def test_skip_rates_match_generate_stats(mod_ckpt, capsys):
+    """The printed rates are 1 - executed / tokens of GPT.generate's own counts, summed over the samples."""
+    out = run_sample(mod_ckpt, capsys, "--temperature=0", "--num_samples=1")
+    ckpt = train.load_checkpoint(str(mod_ckpt / "ckpt.pt"), torch.device("cpu"))
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    model.load_state_dict(ckpt["model"])
+    encode, _ = sample.load_codec(ckpt)
+    model.eval().generate(torch.tensor([encode("ROMEO:")]), 20, temperature=0)
+    stats = model.generate_stats
+    assert sample.skip_rate_line(stats["executed"], stats["tokens"]) in out.err
+
+
+def test_kv_cache_and_recompute_give_the_same_greedy_text(mod_ckpt, capsys):
+    cached = run_sample(mod_ckpt, capsys, "--temperature=0")
+    recomputed = run_sample(mod_ckpt, capsys, "--temperature=0", "--kv_cache=False")
+    assert cached.out == recomputed.out  # prompt + 20 tokens < block_size: no cache restart
+    assert "no KV cache" in recomputed.err and SKIP_LINE.search(recomputed.err)
+
+
+def test_dense_checkpoint_prints_no_skip_rates(data_dir, tmp_path, capsys):
+    make_checkpoint(tmp_path / "dense", data_dir, steps=2, residual="prenorm")
+    out = run_sample(tmp_path / "dense", capsys, "--num_samples=1")
+    assert "tokens/s" in out.err and "skip rate" not in out.err

@@ -1,0 +1,146 @@
+"""tradeoff.py: the post-training loss-vs-executed-FLOPs curve of a NAG model (per-sublayer quantile
+thresholds on the modulator's tangent). Tiny models (n_layer 2, n_embd 32) trained a few steps in-process."""
+import csv
+import math
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+import tradeoff
+from configurator import ConfigError
+from flops import forward_flops
+from model import GPT, GPTConfig
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCK, EVAL_ITERS, BATCH = 32, 4, 8
+RATES = [0, 0.1, 0.25, 0.5]
+
+
+def make_checkpoint(out_dir, data_dir, steps=40, **model_kw):
+    """A tiny shakespeare_char model trained `steps` AdamW steps, saved as out_dir/ckpt.pt (train.py's format)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ddir = data_dir / "shakespeare_char"
+    config = GPTConfig(block_size=BLOCK, vocab_size=train.dataset_vocab_size(str(ddir)), n_layer=2, n_head=2,
+                       n_embd=32, **model_kw)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = GPT(config)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(steps):
+            X, Y = train.get_batch(str(ddir / "train.bin"), 8, BLOCK, g, torch.device("cpu"))
+            _, loss = model(X, Y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    train.save_checkpoint({"model": model.state_dict(), "model_args": asdict(config), "iter_num": steps,
+                           "best_val_loss": float("inf"),
+                           "config": {"dataset": "shakespeare_char", "data_dir": str(data_dir), "batch_size": 4}},
+                          str(out_dir / "ckpt.pt"))
+    return model.eval()
+
+
+def run(out_dir, *extra):
+    return tradeoff.main([f"--out_dir={out_dir}", f"--eval_iters={EVAL_ITERS}", f"--batch_size={BATCH}",
+                          f"--skip_rates={RATES}", "--device=cpu", *extra])
+
+
+def read_csv(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def dense(data_dir, tmp_path_factory):
+    """A residual=nag model trained dense (mod=none: its checkpoint has no mod.tau) and its trade-off run."""
+    out = tmp_path_factory.mktemp("tradeoff") / "nag"
+    model = make_checkpoint(out, data_dir, residual="nag")
+    assert "mod.tau" not in model.state_dict()
+    returned = run(out)
+    return out, model, returned
+
+
+def test_csv_rows(dense, data_dir):
+    out, model, returned = dense
+    rows = read_csv(out / "tradeoff.csv")
+    assert [float(r["skip_target"]) for r in rows] == RATES and all(r["calibration"] == "quantile" for r in rows)
+    assert (out / "tradeoff.png").stat().st_size > 10_000
+
+    # skip 0 is dense: the loss of the checkpoint's own (mod=none) model on train.py's eval batches
+    g = torch.Generator().manual_seed(train.EVAL_SEED)
+    val = str(data_dir / "shakespeare_char" / "val.bin")
+    with torch.no_grad():
+        losses = [model(*train.get_batch(val, BATCH, BLOCK, g, torch.device("cpu")))[1].item()
+                  for _ in range(EVAL_ITERS)]
+    assert float(rows[0]["val_loss"]) == pytest.approx(sum(losses) / len(losses), abs=2e-6)
+    assert float(rows[0]["skip_realised"]) == 0 and float(rows[0]["flops_fraction"]) == 1
+    assert all(math.isnan(float(r["tau_" + n])) for r in rows[:1] for n in ("attn1", "mlp1", "attn2", "mlp2"))
+
+    config = GPTConfig(**{**asdict(model.config), "mod": "nag"})
+    names = [k[5:] for k in rows[0] if k.startswith("exec_")]
+    assert names == ["attn1", "mlp1", "attn2", "mlp2"]
+    flops = []
+    for r, ret in zip(rows, returned):
+        frac = [float(r["exec_" + n]) for n in names]
+        # executed FLOPs are flops.py's count of the realised fractions
+        assert float(r["forward_flops_per_token"]) == pytest.approx(sum(forward_flops(config, frac).values()), rel=1e-5)
+        assert ret["forward_flops_per_token"] == sum(forward_flops(config, ret["exec_frac"]).values())
+        assert float(r["skip_realised"]) == pytest.approx(1 - sum(frac) / len(frac), abs=1e-5)
+        assert abs(float(r["skip_realised"]) - float(r["skip_target"])) < 0.1, r
+        flops.append(float(r["forward_flops_per_token"]))
+    assert all(a > b for a, b in zip(flops, flops[1:])), flops  # strictly fewer FLOPs as more is skipped
+    assert float(rows[-1]["val_loss"]) > float(rows[0]["val_loss"])  # and skipping half costs loss
+
+
+def test_dense_calibration_shares_the_dense_row(dense, tmp_path):
+    out, _, _ = dense
+    rows = run(out, "--calibration=dense", f"--out_file={tmp_path / 'dense'}")
+    assert (tmp_path / "dense.csv").exists() and (tmp_path / "dense.png").exists()
+    first = read_csv(out / "tradeoff.csv")[0]
+    assert rows[0]["val_loss"] == pytest.approx(float(first["val_loss"]), abs=1e-6)
+    flops = [r["forward_flops_per_token"] for r in rows]
+    assert all(a > b for a, b in zip(flops, flops[1:])), flops
+
+
+def test_mod_nag_checkpoint_also_gets_its_own_thresholds(data_dir, tmp_path):
+    model = make_checkpoint(tmp_path / "mod", data_dir, steps=20, residual="nag", mod="nag", mod_rate=0.5)
+    rows = run(tmp_path / "mod")
+    assert [r["calibration"] for r in rows] == ["quantile"] * len(RATES) + ["checkpoint"]
+    assert rows[-1]["skip_target"] is None and rows[-1]["tau"] == model.mod.tau.tolist()
+    assert 0 < rows[-1]["skip_realised"] < 1
+    assert read_csv(tmp_path / "mod" / "tradeoff.csv")[-1]["skip_target"] == ""
+
+
+def test_prenorm_checkpoint_is_a_clear_one_line_error(data_dir, tmp_path):
+    make_checkpoint(tmp_path / "pre", data_dir, steps=1, residual="prenorm")
+    with pytest.raises(ConfigError, match=r"residual=prenorm.*needs residual=nag.*modulator"):
+        run(tmp_path / "pre")
+    r = subprocess.run([sys.executable, "tradeoff.py", f"--out_dir={tmp_path / 'pre'}"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "residual=nag" in lines[0], r.stderr
+    assert not (tmp_path / "pre" / "tradeoff.csv").exists()
+
+
+def test_state_dict_mismatch_is_an_error(data_dir, tmp_path):
+    make_checkpoint(tmp_path / "bad", data_dir, steps=1, residual="nag")
+    path = str(tmp_path / "bad" / "ckpt.pt")
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["model"]["stray.weight"] = torch.zeros(1)
+    del ckpt["model"]["stream.alpha"]
+    torch.save(ckpt, path)
+    with pytest.raises(ConfigError, match=r"missing keys \['stream.alpha'\].*unexpected keys \['stray.weight'\]"):
+        run(tmp_path / "bad")
+
+
+@pytest.mark.parametrize("arg, needle", [("--skip_rates=[0,1]", "skip_rates"), ("--skip_rates=[]", "skip_rates"),
+                                         ("--eval_iters=0", "eval_iters"), ("--calibration=uniform", "calibration")])
+def test_bad_options(arg, needle, dense):
+    with pytest.raises(ConfigError, match=needle):
+        tradeoff.main([f"--out_dir={dense[0]}", arg])
