@@ -12,13 +12,19 @@ buffer that a dense checkpoint does not have). In eval mode a token runs sublaye
 a_l = alpha_l m_l(r) >= tau_l, where a_l is the tangent of the rotation that sublayer would apply to
 it (NAG's modulator: no router is needed); tau_l = nan runs every token.
 
-Method: per-sublayer quantiles. For a target skip rate q, tau_l is the q-quantile of sublayer l's
-scores on `calib_iters` val batches (drawn with another seed than the evaluation batches), so about a
-fraction q of the tokens skips every sublayer; q = 0 is dense (tau = nan). calibration="routed"
-(default) sets the thresholds in depth order during one forward pass, so sublayer l's quantile is
-taken over the scores it sees with sublayers < l already skipping: the realised skip rate then
-matches q on held-out data. calibration="dense" takes every quantile from a dense forward pass (the
-scores a dense model would have), which drifts from q as skips change the stream.
+Method: thresholds from quantiles of the scores on `calib_iters` val batches (drawn with another seed
+than the evaluation batches); q = 0 is dense (tau = nan).
+- calibration="global" (default): one threshold for every sublayer, the q-quantile of all
+  sublayers' scores of a dense pass pooled. a_l is the same physical quantity everywhere (the
+  tangent of a rotation of the unit direction), so a token skips exactly the sublayers that would
+  turn it least, wherever they are; the realised skip rate lands near q.
+- calibration="routed": per-sublayer quantiles, set in depth order during one forward pass, so
+  sublayer l's quantile is taken over the scores it sees with sublayers < l already skipping; every
+  sublayer then skips a fraction q of the tokens, even where every rotation is large.
+- calibration="dense": per-sublayer quantiles from a dense pass (drifts from q as skips change
+  the stream).
+On the 8-layer CPU model of the README, global thresholds cost far less loss per FLOP saved than
+per-sublayer ones (see README, "Mixture-of-Depths").
 
 Each q is then evaluated in eval mode on the same `eval_iters` val batches (train.py's estimate_loss
 batches: seed EVAL_SEED, so the q = 0 loss is the dense val loss train.py logs for the same
@@ -53,13 +59,16 @@ DEFAULTS = dict(
     eval_iters=20,  # val batches per skip rate (the same batches for every q)
     batch_size=None,  # None: the checkpoint's training batch_size
     calib_iters=4,  # val batches the thresholds are calibrated on
-    calibration="routed",  # routed | dense (see the docstring)
+    calibration="global",  # global | routed | dense, or several with commas: one curve each (see the docstring)
     dataset=None,  # None: the checkpoint's
     data_dir=None,  # None: the checkpoint's
     device="auto",
     dtype="auto",  # auto: bf16 autocast on a GPU that has it, else fp32
 )
 CALIB_SEED = EVAL_SEED + 1  # calibration batches differ from the evaluation batches
+CALIBRATIONS = ("global", "routed", "dense")
+LABELS = {"global": "one threshold for all sublayers", "routed": "per-sublayer quantiles (routed)",
+          "dense": "per-sublayer quantiles (dense pass)"}
 
 
 # -----------------------------------------------------------------------------
@@ -144,6 +153,16 @@ def calibrate(model, X, rates, how, autocast):
             taus[q] = torch.tensor([quantile(s, q).item() for s in scores]) if q > 0 else torch.full((n,), nan)
         model.mod.tau.fill_(nan)
         return taus
+    if how == "global":
+        scores = []
+        model.mod.tau.fill_(everyone)
+        with score_hook(model, lambda l, s: scores.append(s.detach().flatten())), autocast:
+            model(X)
+        pooled = torch.cat(scores)
+        for q in rates:
+            taus[q] = torch.full((n,), quantile(pooled, q).item() if q > 0 else nan)
+        model.mod.tau.fill_(nan)
+        return taus
     for q in rates:
         if q == 0:
             taus[q] = torch.full((n,), nan)
@@ -203,11 +222,13 @@ def plot(path, rows, title):
     scale, unit = flops_unit(max(r["forward_flops_per_token"] for r in rows))
     sweep = [r for r in rows if r["skip_target"] is not None]
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    ax.plot([r["forward_flops_per_token"] / scale for r in sweep], [r["val_loss"] for r in sweep],
-            marker="o", label="per-sublayer quantile thresholds")
-    for r in sweep:
-        ax.annotate(f"{r['skip_target']:g}", (r["forward_flops_per_token"] / scale, r["val_loss"]),
-                    textcoords="offset points", xytext=(4, 4), fontsize=7)
+    for method in dict.fromkeys(r["calibration"] for r in sweep):
+        pts = [r for r in sweep if r["calibration"] == method]
+        ax.plot([r["forward_flops_per_token"] / scale for r in pts], [r["val_loss"] for r in pts],
+                marker="o", label=LABELS[method])
+        for r in pts:
+            ax.annotate(f"{r['skip_target']:g}", (r["forward_flops_per_token"] / scale, r["val_loss"]),
+                        textcoords="offset points", xytext=(4, 4), fontsize=7)
     dense = [r for r in sweep if r["skip_target"] == 0]
     if dense:
         ax.plot([dense[0]["forward_flops_per_token"] / scale], [dense[0]["val_loss"]], marker="*",
@@ -239,15 +260,17 @@ def check(cfg):
     if cfg["batch_size"] is not None and not (isinstance(cfg["batch_size"], int) and not
                                               isinstance(cfg["batch_size"], bool) and cfg["batch_size"] >= 1):
         raise ConfigError(f"batch_size must be an integer >= 1, got {cfg['batch_size']!r}")
-    if cfg["calibration"] not in ("routed", "dense"):
-        raise ConfigError(f"calibration must be routed or dense, got {cfg['calibration']!r}")
-    return sorted(set(float(q) for q in rates))
+    methods = str(cfg["calibration"]).split(",")
+    if not all(m in CALIBRATIONS for m in methods) or len(set(methods)) != len(methods):
+        raise ConfigError(f"calibration must be one or more of {', '.join(CALIBRATIONS)} (comma-separated), "
+                          f"got {cfg['calibration']!r}")
+    return sorted(set(float(q) for q in rates)), methods
 
 
 def main(argv):
     """Run the trade-off; returns the rows (dicts) it wrote to the CSV."""
     cfg = configure(argv, DEFAULTS)
-    rates = check(cfg)
+    rates, methods = check(cfg)
     if cfg["device"] == "auto":
         cfg["device"] = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(cfg["device"])
@@ -288,14 +311,13 @@ def main(argv):
     print(f"{path}: residual=nag (trained mod={ckpt['model_args'].get('mod', 'none')}), {config.n_layer} layers, "
           f"d={config.n_embd}, T={T} | {device} {cfg['dtype']} | dense forward {dense_flops / scale:.4g} {unit}/token")
     t0 = time.time()
-    print(f"calibrating tau ({cfg['calibration']}) on {X_cal.size(0)} val sequences for {len(rates)} skip rates...",
+    print(f"calibrating tau ({', '.join(methods)}) on {X_cal.size(0)} val sequences for {len(rates)} skip rates...",
           flush=True)
-    taus = calibrate(model, X_cal, [q for q in rates], cfg["calibration"], autocast)
+    runs = [(m, q, tau) for m in methods for q, tau in calibrate(model, X_cal, rates, m, autocast).items()]
     print(f"evaluating {cfg['eval_iters']} x {B} x {T} val tokens per skip rate ({time.time() - t0:.1f}s so far)")
-    header = f"{'target skip':>11} {'realised':>9} {'val loss':>9} {'fwd ' + unit + '/tok':>16} {'% dense':>8}"
+    header = f"{'calibration':>11} {'target skip':>11} {'realised':>9} {'val loss':>9} {'fwd ' + unit + '/tok':>16} {'% dense':>8}"
     print(header)
     print("-" * len(header))
-    runs = [("quantile", q, taus[q]) for q in rates]
     if trained_tau is not None:
         runs.append(("checkpoint", None, trained_tau))
     rows = []
@@ -307,13 +329,13 @@ def main(argv):
                "exec_frac": frac, "tau": tau.tolist()}
         rows.append(row)
         target = f"{q:>11.3g}" if q is not None else f"{'checkpoint':>11}"
-        print(f"{target} {row['skip_realised']:>9.3f} {loss:>9.4f} {fwd / scale:>16.4g} {100 * fwd / dense_flops:>7.1f}%",
+        print(f"{calibration:>11} {target} {row['skip_realised']:>9.3f} {loss:>9.4f} {fwd / scale:>16.4g} {100 * fwd / dense_flops:>7.1f}%",
               flush=True)
     model.mod.tau.fill_(float("nan"))
 
     write_csv(prefix + ".csv", rows, names)
     plot(prefix + ".png", rows, f"{os.path.basename(os.path.normpath(cfg['out_dir']))}: post-training MoD "
-                                f"(nag, {cfg['calibration']} quantile thresholds)")
+                                f"(nag, thresholds on a = alpha m)")
     print(f"wrote {prefix}.csv and {prefix}.png ({time.time() - t0:.1f}s)")
     return rows
 

@@ -8,4 +8,4 @@ train_args = ["--device=cpu", "--eval_interval=250", "--eval_iters=20", "--log_i
 budget = 5e12  # 1250 iterations at 4 layers: the quickstart's 2000 iterations cost 8e12
 depths = [2, 4, 8]
 residuals = ["prenorm", "nag", "block_attnres"]
-mod_runs = [("nag", "nag", 0.25)]  # skipped, with a notice, until GPTConfig has Mixture-of-Depths
+mod_runs = [("nag", "nag", 0.25)]  # nag with mod=nag at mod_rate 0.25, at every depth

@@ -68,7 +68,9 @@ def dense(data_dir, tmp_path_factory):
 def test_csv_rows(dense, data_dir):
     out, model, returned = dense
     rows = read_csv(out / "tradeoff.csv")
-    assert [float(r["skip_target"]) for r in rows] == RATES and all(r["calibration"] == "quantile" for r in rows)
+    assert [float(r["skip_target"]) for r in rows] == RATES and all(r["calibration"] == "global" for r in rows)
+    # global: one threshold for every sublayer
+    assert all(len({r["tau_" + n] for n in ("attn1", "mlp1", "attn2", "mlp2")}) == 1 for r in rows)
     assert (out / "tradeoff.png").stat().st_size > 10_000
 
     # skip 0 is dense: the loss of the checkpoint's own (mod=none) model on train.py's eval batches
@@ -97,20 +99,26 @@ def test_csv_rows(dense, data_dir):
     assert float(rows[-1]["val_loss"]) > float(rows[0]["val_loss"])  # and skipping half costs loss
 
 
-def test_dense_calibration_shares_the_dense_row(dense, tmp_path):
+def test_per_sublayer_calibrations_share_the_dense_row(dense, tmp_path):
     out, _, _ = dense
-    rows = run(out, "--calibration=dense", f"--out_file={tmp_path / 'dense'}")
-    assert (tmp_path / "dense.csv").exists() and (tmp_path / "dense.png").exists()
+    rows = run(out, "--calibration=routed,dense", f"--out_file={tmp_path / 'both'}")
+    assert (tmp_path / "both.csv").exists() and (tmp_path / "both.png").exists()
+    assert [r["calibration"] for r in rows] == ["routed"] * len(RATES) + ["dense"] * len(RATES)
     first = read_csv(out / "tradeoff.csv")[0]
-    assert rows[0]["val_loss"] == pytest.approx(float(first["val_loss"]), abs=1e-6)
-    flops = [r["forward_flops_per_token"] for r in rows]
-    assert all(a > b for a, b in zip(flops, flops[1:])), flops
+    for method in ("routed", "dense"):
+        curve = [r for r in rows if r["calibration"] == method]
+        assert curve[0]["val_loss"] == pytest.approx(float(first["val_loss"]), abs=1e-6)
+        flops = [r["forward_flops_per_token"] for r in curve]
+        assert all(a > b for a, b in zip(flops, flops[1:])), flops
+    # routed: every sublayer skips about q of the tokens (global thresholds skip unevenly)
+    for r in rows[1:len(RATES)]:
+        assert all(abs((1 - f) - r["skip_target"]) < 0.15 for f in r["exec_frac"][1:]), r
 
 
 def test_mod_nag_checkpoint_also_gets_its_own_thresholds(data_dir, tmp_path):
     model = make_checkpoint(tmp_path / "mod", data_dir, steps=20, residual="nag", mod="nag", mod_rate=0.5)
     rows = run(tmp_path / "mod")
-    assert [r["calibration"] for r in rows] == ["quantile"] * len(RATES) + ["checkpoint"]
+    assert [r["calibration"] for r in rows] == ["global"] * len(RATES) + ["checkpoint"]
     assert rows[-1]["skip_target"] is None and rows[-1]["tau"] == model.mod.tau.tolist()
     assert 0 < rows[-1]["skip_realised"] < 1
     assert read_csv(tmp_path / "mod" / "tradeoff.csv")[-1]["skip_target"] == ""
