@@ -134,14 +134,20 @@ def time_steps(configs, device, dtype, use_compile, reps, B):
     return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}, mem
 
 
+def step_shape(title, device, dtype, use_compile, batch_size, cpu_layers):
+    """GPTConfig keys and batch size of a timed step: GPT-2 124M on a GPU, quickstart width on a CPU."""
+    gpu = device.type == "cuda"
+    shape = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50257) if gpu else \
+        dict(n_layer=cpu_layers, n_head=4, n_embd=128, block_size=64, vocab_size=65)
+    B = batch_size or (8 if gpu else 12)
+    print(f"\n## {title} ({device.type}, {str(dtype).replace('torch.', '')}, compile={use_compile}, B={B}, {shape})")
+    return shape, B
+
+
 def bench_model(device, dtype, use_compile, reps, batch_size):
     gpu = device.type == "cuda"
-    shape = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024) if gpu else \
-        dict(n_layer=4, n_head=4, n_embd=128, block_size=64)
-    B = batch_size or (8 if gpu else 12)
-    print(f"\n## model step ({device.type}, {str(dtype).replace('torch.', '')}, compile={use_compile}, "
-          f"B={B}, {shape})")
-    configs = {r: GPTConfig(vocab_size=50257 if gpu else 65, residual=r, **shape) for r in RESIDUALS}
+    shape, B = step_shape("model step", device, dtype, use_compile, batch_size, cpu_layers=4)
+    configs = {r: GPTConfig(residual=r, **shape) for r in RESIDUALS}
     times, mem = time_steps(configs, device, dtype, use_compile, reps, B)
     print("| residual | ms/step | vs prenorm | peak memory GiB | vs prenorm |")
     print("|---|---|---|---|---|")
@@ -158,12 +164,8 @@ def bench_mod(device, dtype, use_compile, reps, batch_size, rates=(0.0, 0.25, 0.
     """Mixture-of-Depths: step time at each mod_rate relative to the same model at mod_rate 0 (dense).
     Skipped tokens are gathered out of the matmuls, so the ratio is the real saving."""
     gpu = device.type == "cuda"
-    shape = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024) if gpu else \
-        dict(n_layer=8, n_head=4, n_embd=128, block_size=64)
-    B = batch_size or (8 if gpu else 12)
-    print(f"\n## Mixture-of-Depths step ({device.type}, {str(dtype).replace('torch.', '')}, compile={use_compile}, "
-          f"B={B}, {shape})")
-    configs = {(r, m, rate): GPTConfig(vocab_size=50257 if gpu else 65, residual=r, mod=m, mod_rate=rate, **shape)
+    shape, B = step_shape("Mixture-of-Depths step", device, dtype, use_compile, batch_size, cpu_layers=8)
+    configs = {(r, m, rate): GPTConfig(residual=r, mod=m, mod_rate=rate, **shape)
                for r, m in MOD_RUNS for rate in rates}
     times, mem = time_steps(configs, device, dtype, use_compile, reps, B)
     print("| residual | mod | mod_rate | ms/step | vs mod_rate 0 | peak memory GiB |")

@@ -2,7 +2,6 @@
 RoPE positions) and in eval (causal thresholds tau), skipped tokens left exactly as they were and
 never read as keys, gradients, the tau EMA and the checkpoint, KV-cache generation, skip-middle's
 gated attention, hard skip and controller, and the executed fractions that FLOPs are counted from."""
-import math
 
 import pytest
 import torch

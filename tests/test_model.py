@@ -3,7 +3,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from model import GPT, GPTConfig, _rotate_real, apply_rope, rope_table
 

@@ -4,7 +4,6 @@ Checkpoints are written directly in train.py's format (train.save_checkpoint; wh
 sample.load_codec read) from a tiny model trained for a few AdamW steps in-process: n_layer 2, n_embd 32.
 """
 import re
-from dataclasses import asdict
 
 import pytest
 import torch
@@ -12,39 +11,14 @@ import torch
 import sample
 import train
 from model import GPT, GPTConfig
-
-BLOCK = 32
-
-
-def make_checkpoint(out_dir, data_dir, steps=30, **model_kw):
-    """A tiny shakespeare_char model trained `steps` AdamW steps, saved as out_dir/ckpt.pt."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ddir = data_dir / "shakespeare_char"
-    config = GPTConfig(block_size=BLOCK, vocab_size=train.dataset_vocab_size(str(ddir)), n_layer=2, n_head=2,
-                       n_embd=32, **model_kw)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = GPT(config)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        g = torch.Generator().manual_seed(1)
-        for _ in range(steps):
-            X, Y = train.get_batch(str(ddir / "train.bin"), 8, BLOCK, g, torch.device("cpu"))
-            _, loss = model(X, Y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    train.save_checkpoint({"model": model.state_dict(), "model_args": asdict(config), "iter_num": steps,
-                           "best_val_loss": float("inf"),
-                           "config": {"dataset": "shakespeare_char", "data_dir": str(data_dir), "batch_size": 4}},
-                          str(out_dir / "ckpt.pt"))
-    return model
+from tiny_checkpoint import make_checkpoint
 
 
 @pytest.fixture(scope="module")
 def mod_ckpt(data_dir, tmp_path_factory):
     """residual=nag + mod=nag at mod_rate 0.5: training leaves finite thresholds tau in the checkpoint."""
     out = tmp_path_factory.mktemp("sample") / "nag-mod"
-    model = make_checkpoint(out, data_dir, residual="nag", mod="nag", mod_rate=0.5)
+    model = make_checkpoint(out, data_dir, steps=30, residual="nag", mod="nag", mod_rate=0.5)
     assert torch.isfinite(model.mod.tau).all()
     return out
 

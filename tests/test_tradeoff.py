@@ -1,5 +1,5 @@
-"""tradeoff.py: the post-training loss-vs-executed-FLOPs curve of a NAG model (per-sublayer quantile
-thresholds on the modulator's tangent). Tiny models (n_layer 2, n_embd 32) trained a few steps in-process."""
+"""tradeoff.py: the post-training loss-vs-executed-FLOPs curve of a NAG model (quantile thresholds
+on the modulator's tangent). Tiny models (n_layer 2, n_embd 32) trained a few steps in-process."""
 import csv
 import math
 import subprocess
@@ -14,35 +14,12 @@ import train
 import tradeoff
 from configurator import ConfigError
 from flops import forward_flops
-from model import GPT, GPTConfig
+from model import GPTConfig
+from tiny_checkpoint import BLOCK, make_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
-BLOCK, EVAL_ITERS, BATCH = 32, 4, 8
+EVAL_ITERS, BATCH = 4, 8
 RATES = [0, 0.1, 0.25, 0.5]
-
-
-def make_checkpoint(out_dir, data_dir, steps=40, **model_kw):
-    """A tiny shakespeare_char model trained `steps` AdamW steps, saved as out_dir/ckpt.pt (train.py's format)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ddir = data_dir / "shakespeare_char"
-    config = GPTConfig(block_size=BLOCK, vocab_size=train.dataset_vocab_size(str(ddir)), n_layer=2, n_head=2,
-                       n_embd=32, **model_kw)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = GPT(config)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        g = torch.Generator().manual_seed(1)
-        for _ in range(steps):
-            X, Y = train.get_batch(str(ddir / "train.bin"), 8, BLOCK, g, torch.device("cpu"))
-            _, loss = model(X, Y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    train.save_checkpoint({"model": model.state_dict(), "model_args": asdict(config), "iter_num": steps,
-                           "best_val_loss": float("inf"),
-                           "config": {"dataset": "shakespeare_char", "data_dir": str(data_dir), "batch_size": 4}},
-                          str(out_dir / "ckpt.pt"))
-    return model.eval()
 
 
 def run(out_dir, *extra):
