@@ -512,6 +512,8 @@ def _gate_stats_rank(rank, world, init_file, out_dir):
     train.average_gate_stats(model.mod, world)
     model.after_step()
     torch.save({k: getattr(model.mod, k) for k in ("gate_mean", "gate_var", "lam", "mu")}, f"{out_dir}/{rank}.pt")
+    del ddp  # its reducer holds the process group: release it first
+    dist.barrier()  # neither rank tears gloo down while the other still talks to it
     dist.destroy_process_group()
 
 
