@@ -5,6 +5,7 @@ Benchmarks that print figures (speed targets are checked here, not in timed test
     python bench.py --section=kernels    # each fused kernel vs eager PyTorch and torch.compile of its reference
     python bench.py --section=model      # step time and peak memory of each residual mode, relative to prenorm
     python bench.py --section=mod        # Mixture-of-Depths step time at mod_rate 0, 0.25, 0.5
+    python bench.py --section=compile    # eager vs compiled reference vs compiled custom ops, per mode
 
 kernels: forward and forward+backward time of rms_norm, nag_update and depth_attention, and the
 achieved bandwidth: the bytes a fused kernel must move at least (each input read once, each output
@@ -13,6 +14,12 @@ model: one training step (forward, backward, AdamW) per mode at the GPT-2 124M s
 (12 layers, 768 wide, 12 heads, T = 1024, bf16, compiled), or at the quickstart shape on a CPU.
 mod: a training step of nag (mod=nag) and prenorm (mod=router) at mod_rate 0, 0.25 and 0.5, at the
 124M shape on a GPU or an 8-layer quickstart-width model on a CPU; the ratio to mod_rate 0 is the saving.
+compile (not part of "all": it compiles 15 models): each residual mode eager, compiled with the
+kernels' plain-PyTorch references (kernels=torch, which inductor fuses) and compiled with the kernels
+as custom ops (kernels=triton: on a GPU the Triton kernels; on a CPU the ops run their reference);
+step time, peak memory (GPU) and the bytes saved for backward, as ratios to prenorm. --backend picks
+torch.compile's backend (inductor; aot_eager compiles in seconds, for a quick check).
+model and compile also print the saved-activation bytes (each storage once) relative to prenorm.
 Ratios measured in one run are what to compare: absolute times drift on a shared machine.
 """
 
@@ -25,7 +32,8 @@ import kernels
 from configurator import ConfigError, configure
 from model import GPT, GPTConfig, RESIDUALS
 
-DEFAULTS = dict(section="all", device="auto", dtype="auto", compile=True, reps=0, batch_size=0)
+DEFAULTS = dict(section="all", device="auto", dtype="auto", compile=True, reps=0, batch_size=0,
+                backend="inductor")  # backend: torch.compile's, for --section=compile
 
 
 def timeit(fn, device, reps, warmup=3):
@@ -61,9 +69,10 @@ def kernel_cases(device, dtype):
          2 * M * d * b, 3 * M * d * b, (1e-6,)),
         ("nag_update", [r, u, a], kernels.nag_update_torch, lambda r, u, a: kernels.nag_update(r, u, a, impl="triton"),
          3 * M * d * b, 5 * M * d * b, ()),
-        ("depth_attention", make((S, M, d), (d,), (d,)), kernels.depth_attention_torch,
+        # the model's call: a list of sources where they lie; the backward reads them twice
+        ("depth_attention", [make(*[(M, d)] * S), *make((d,), (d,))], kernels.depth_attention_torch,
          lambda s, q, w: kernels.depth_attention(s, q, w, impl="triton"),
-         (S + 1) * M * d * b, (2 * S + 2) * M * d * b, ()),
+         (S + 1) * M * d * b, (3 * S + 1) * M * d * b, ()),
     ]
 
 
@@ -101,21 +110,23 @@ def bench_kernels(device, dtype, use_compile, reps):
                   f"| {(bytes_fwd + bytes_bwd) / t_fb / 1e9:.1f} | {eager_total / t_fb:.2f}x |")
 
 
-def time_steps(configs, device, dtype, use_compile, reps, B):
+def time_steps(configs, device, dtype, use_compile, reps, B, backend="inductor"):
     """Median seconds of one training step (forward, backward, AdamW) of each GPTConfig in
-    `configs` (name -> config), and the peak memory (GiB, GPU only) of each. All are built (and
-    compiled) first, then timed in interleaved rounds, so drift on a shared machine hits each alike."""
+    `configs` (name -> config, or name -> (config, compile this one?)), and the peak memory (GiB,
+    GPU only) of each. All are built (and compiled) first, then timed in interleaved rounds, so
+    drift on a shared machine hits each alike."""
     gpu = device.type == "cuda"
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     steps, mem = {}, {}
     for name, config in configs.items():
+        config, compiled = config if isinstance(config, tuple) else (config, use_compile)
         base_mem = torch.cuda.memory_allocated() if gpu else 0
         if gpu:
             torch.cuda.reset_peak_memory_stats()
         torch.manual_seed(0)
         model = GPT(config).to(device)
         opt = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device.type)
-        step_model = torch.compile(model) if use_compile else model
+        step_model = torch.compile(model, backend=backend) if compiled else model
         x = torch.randint(0, config.vocab_size, (B, config.block_size), device=device)
 
         def step(step_model=step_model, opt=opt, x=x):
@@ -134,6 +145,40 @@ def time_steps(configs, device, dtype, use_compile, reps, B):
     return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}, mem
 
 
+def saved_activation_bytes(model, idx, compiled=False, dtype=torch.float32):
+    """Bytes autograd keeps for the backward of one training forward. Eager: every tensor saved
+    for backward, each storage counted once (a source that several sublayers read is one storage).
+    Compiled: the inputs of the backward graph that AOTAutograd's min-cut partitioner (the one
+    inductor uses) makes, i.e. what the compiled forward keeps for the backward."""
+    autocast = torch.autocast(idx.device.type, dtype=dtype, enabled=dtype != torch.float32)
+    if not compiled:
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+            model(idx, idx)
+        return sum(storages.values())
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    saved = {}
+
+    def backward_inputs(gm, example_inputs):
+        values = [n.meta.get("val") for n in gm.graph.nodes
+                  if n.op == "placeholder" and not n.name.startswith("tangents")]
+        saved["bytes"] = sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+        return make_boxed_func(gm.forward)
+    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=backward_inputs,
+                           partition_fn=min_cut_rematerialization_partition)
+    torch._dynamo.reset()
+    with autocast:
+        _, loss = torch.compile(model, backend=backend, fullgraph=True)(idx, idx)
+    loss.backward()
+    torch._dynamo.reset()
+    return saved["bytes"]
+
+
 def step_shape(title, device, dtype, use_compile, batch_size, cpu_layers):
     """GPTConfig keys and batch size of a timed step: GPT-2 124M on a GPU, quickstart width on a CPU."""
     gpu = device.type == "cuda"
@@ -149,11 +194,17 @@ def bench_model(device, dtype, use_compile, reps, batch_size):
     shape, B = step_shape("model step", device, dtype, use_compile, batch_size, cpu_layers=4)
     configs = {r: GPTConfig(residual=r, **shape) for r in RESIDUALS}
     times, mem = time_steps(configs, device, dtype, use_compile, reps, B)
-    print("| residual | ms/step | vs prenorm | peak memory GiB | vs prenorm |")
-    print("|---|---|---|---|---|")
+    idx = torch.randint(0, shape["vocab_size"], (B, shape["block_size"]), device=device)
+    saved = {}
+    for residual, config in configs.items():
+        torch.manual_seed(0)
+        saved[residual] = saved_activation_bytes(GPT(config).to(device), idx, dtype=dtype)
+    print("| residual | ms/step | vs prenorm | peak memory GiB | vs prenorm | saved MiB (eager) | vs prenorm |")
+    print("|---|---|---|---|---|---|---|")
     for residual, t in times.items():
         mem_cols = f"{mem[residual]:.2f} | {mem[residual] / mem['prenorm']:.2f}x" if gpu else "n/a (CPU) |"
-        print(f"| {residual} | {t * 1e3:.1f} | {t / times['prenorm']:.2f}x | {mem_cols} |")
+        print(f"| {residual} | {t * 1e3:.1f} | {t / times['prenorm']:.2f}x | {mem_cols} "
+              f"| {saved[residual] / 2 ** 20:.1f} | {saved[residual] / saved['prenorm']:.2f}x |")
     return times
 
 
@@ -177,12 +228,51 @@ def bench_mod(device, dtype, use_compile, reps, batch_size, rates=(0.0, 0.25, 0.
     return times
 
 
+SECTIONS = ("all", "kernels", "model", "mod", "compile")
+COMPILE_VARIANTS = {  # name: (compiled?, kernels)
+    "eager": (False, "auto"),
+    "compiled reference": (True, "torch"),  # inductor fuses the plain-PyTorch references
+    "compiled custom ops": (True, "triton"),  # the nanodepth:: ops stay in the graph (CPU: their reference)
+}
+
+
+def bench_compile(device, dtype, reps, batch_size, backend="inductor", layers=None):
+    """Each residual mode eager, compiled with the kernels' references fused by inductor, and compiled
+    with the kernels as custom ops: step time, peak memory (GPU) and saved-activation bytes, each as
+    a ratio to prenorm in the same variant. The saved bytes also at 16 layers, where AttnRes's
+    O(L) sources matter (SPEC: at most 1.5x prenorm's)."""
+    gpu = device.type == "cuda"
+    shape, B = step_shape("compile", device, dtype, True, batch_size, cpu_layers=4)
+    if layers:
+        shape["n_layer"] = layers
+    configs = {(r, v): (GPTConfig(residual=r, kernels=k, **shape), c)
+               for r in RESIDUALS for v, (c, k) in COMPILE_VARIANTS.items()}
+    times, mem = time_steps(configs, device, dtype, True, reps, B, backend=backend)
+    deep = dict(shape, n_layer=16) if not gpu else shape
+    idx = torch.randint(0, deep["vocab_size"], (min(B, 4), deep["block_size"]), device=device)
+    saved = {}
+    for (r, v), (config, compiled) in configs.items():
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(residual=r, kernels=config.kernels, **deep)).to(device)
+        saved[(r, v)] = saved_activation_bytes(model, idx, compiled, dtype)
+    print(f"saved activations at {deep['n_layer']} layers, B={idx.size(0)}, T={deep['block_size']}, "
+          f"d={deep['n_embd']}; step times at {shape['n_layer']} layers, B={B}")
+    print("| residual | variant | ms/step | vs prenorm | vs eager | peak memory GiB | vs prenorm | saved MiB | vs prenorm |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (r, v), t in times.items():
+        base, eager = times[("prenorm", v)], times[(r, "eager")]
+        mem_cols = (f"{mem[(r, v)]:.2f} | {mem[(r, v)] / mem[('prenorm', v)]:.2f}x" if gpu else "n/a (CPU) |")
+        print(f"| {r} | {v} | {t * 1e3:.1f} | {t / base:.2f}x | {t / eager:.2f}x | {mem_cols} "
+              f"| {saved[(r, v)] / 2 ** 20:.1f} | {saved[(r, v)] / saved[('prenorm', v)]:.2f}x |")
+    return times, saved
+
+
 def main(argv=None):
     """Print the tables; returns seconds per step by residual mode (model section) and by
     (residual, mod, mod_rate) (mod section), for the sections that ran."""
     cfg = configure(sys.argv[1:] if argv is None else argv, DEFAULTS)
-    if cfg["section"] not in ("all", "kernels", "model", "mod"):
-        raise ConfigError(f"unknown section '{cfg['section']}'; valid: all, kernels, model, mod")
+    if cfg["section"] not in SECTIONS:
+        raise ConfigError(f"unknown section '{cfg['section']}'; valid: {', '.join(SECTIONS)}")
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg["device"] == "auto" else cfg["device"])
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg["dtype"]]
@@ -197,6 +287,8 @@ def main(argv=None):
         times.update(bench_model(device, dtype, use_compile, reps, cfg["batch_size"]))
     if cfg["section"] in ("all", "mod"):
         times.update(bench_mod(device, dtype, use_compile, reps, cfg["batch_size"]))
+    if cfg["section"] == "compile":  # not in "all": it compiles 10 models
+        times.update(bench_compile(device, dtype, reps, cfg["batch_size"], cfg["backend"])[0])
     return times
 
 

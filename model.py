@@ -7,7 +7,6 @@ back, what the LM head reads), then the GPT that strings sublayers 1..2L through
 chosen residual mode. See SPEC.md-derived notes in README.md for the equations.
 """
 
-import inspect
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -378,15 +377,21 @@ class BlockAttnRes(nn.Module):
         self.impl = config.kernels
 
     def embed(self, e):
+        # every source in the compute dtype (bf16 under autocast), so none is promoted to fp32
+        if torch.is_autocast_enabled(e.device.type):
+            e = e.to(torch.get_autocast_dtype(e.device.type))
         return [e], None  # finished blocks, partial sum of the current block
 
     def sources(self, state):
+        """The list of sources a sublayer mixes. Each tensor is written once and read where it lies
+        (depth_attention takes the list): re-stacking them at every sublayer would copy and save
+        O(L^2 d) per token."""
         blocks, partial = state
         return blocks if partial is None else blocks + [partial]
 
     def depth_inputs(self, state, l):
-        """(sources [S, ..., d], query, key-norm weight) that sublayer l (l = 2L: the head) mixes."""
-        return torch.stack(self.sources(state)), self.queries[l - 1], self.key_norms[l - 1].weight
+        """(sources, query, key-norm weight) that sublayer l (l = 2L: the head) mixes."""
+        return self.sources(state), self.queries[l - 1], self.key_norms[l - 1].weight
 
     def value(self, state, l):
         """The depth mix sublayer l reads (sublayer 0: the embedding, its only source)."""
@@ -500,18 +505,24 @@ def topk_route(score, k):
 
 
 def mask_route(keep, score=None):
-    """Eval (and skip_middle): the tokens where keep [B, T] is True, padded to the row that keeps most."""
+    """Eval (and skip_middle): the tokens where keep [B, T] is True, in position order, padded to the
+    row that keeps most. How many that is depends on the data, so eager mode reads the counts (one
+    host sync) and runs only max(count) tokens per row. Under torch.compile the route keeps a static
+    shape instead, padded to all T tokens: one graph, no sync and no recompilation, with the same
+    results (padding sits after a row's kept tokens, so causal attention never reads it, and its
+    write is discarded) but without the compute saving."""
     B, T = keep.shape
-    counts = keep.sum(1).tolist()
-    kmax = max(counts)
-    if kmax == T and min(counts) == T:
-        route = Route(None, executed=B * T)
+    if torch.compiler.is_compiling():
+        kmax, padded, executed = T, True, keep.sum()
+    else:
+        counts = keep.sum(1).tolist()
+        kmax, padded, executed = max(counts), min(counts) < max(counts), sum(counts)
+    if kmax == T and not padded:
+        route = Route(None, executed=executed)
     else:
         # kept tokens first, each group in position order (a stable sort of "not kept")
         order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices[:, :kmax]
-        route = Route(order, executed=sum(counts))
-        if min(counts) < kmax:
-            route.valid = keep.gather(1, order).unsqueeze(-1)
+        route = Route(order, executed=executed, valid=keep.gather(1, order).unsqueeze(-1) if padded else None)
     route.score = route.gather_score(score)
     return route
 
@@ -529,8 +540,11 @@ class TopKMoD(nn.Module):
         self.register_buffer("tau", torch.full((config.n_sublayers,), float("nan")))
 
     def route(self, stream, state, x, l, ctx):
-        if (self.rate == 0) if self.training else bool(self.tau[l].isnan()):
+        tau = self.tau[l]
+        if self.training and self.rate == 0:
             return None  # dense: no score needed
+        if not self.training and not torch.compiler.is_compiling() and bool(tau.isnan()):
+            return None  # (compiled, the test below keeps every token: no data-dependent branch)
         score = self.score(stream, state, x, l)  # [B, T], fp32
         if self.training:
             route, kth = topk_route(score, capacity(score.size(1), self.rate))
@@ -540,7 +554,7 @@ class TopKMoD(nn.Module):
                     old = self.tau[l]
                     self.tau[l] = torch.where(old.isnan(), kth, self.tau_decay * old + (1 - self.tau_decay) * kth)
         else:
-            route = mask_route(score >= self.tau[l], score)
+            route = mask_route((score >= tau) | tau.isnan(), score)
         return self.finish(route)
 
     def finish(self, route):
@@ -611,8 +625,12 @@ class SkipMiddle(nn.Module):
             total = s if block == 0 else ctx["gate_sum"] + s
             ctx["gate_sum"] = total
             gates.append(1.0 - total.clamp(0.0, 1.0))
-        g = gates[min(block, self.n_blocks - 1 - block)]
-        route = mask_route(g > 0) if self.gather else Route(None, executed=int((g > 0).sum()))
+        gate = min(block, self.n_blocks - 1 - block)
+        if gate in routes:  # block L-1-i reuses block i's gate, and so its route
+            routes[block] = routes[gate]
+            return routes[gate]
+        g = gates[gate]
+        route = mask_route(g > 0) if self.gather else Route(None, executed=(g > 0).sum())
         gk = route.gather(g)
         route.weight = gk.unsqueeze(-1)
         route.key_bias = torch.where(gk > 0, torch.log(gk.clamp(GATE_FLOOR, 1.0)), float("-inf"))
@@ -630,12 +648,11 @@ class SkipMiddle(nn.Module):
 
     @torch.no_grad()
     def controller_step(self):
-        if self.gate_mean.isnan().any():
-            return
+        """On the device, no host read: a gap that is nan (no training forward yet) moves nothing."""
         var_target = self.target * (1 - self.target)
         for coef, value, target in ((self.lam, self.gate_mean, self.target), (self.mu, self.gate_var, var_target)):
             gap = value - target
-            coef.add_(torch.where(gap.abs() > self.tolerance, self.eta * gap, 0.0))
+            coef.add_(torch.where(gap.abs() > self.tolerance, self.eta * gap, 0.0))  # nan > x is False
 
 
 MODS = {"none": None, "nag": NAGMoD, "router": RouterMoD, "skip_middle": SkipMiddle}
@@ -775,10 +792,9 @@ class GPT(nn.Module):
         no_decay = [p for p in params if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
-        # fused on GPU; the multi-tensor (foreach) path on CPU is ~5% faster per step for small models
-        fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas,
-                                 **({"fused": True} if fused else {"foreach": True}))
+        # fused on every device (CPU too): the fastest AdamW, and the one that can skip a step on the
+        # device when handed found_inf (train.py's non-finite-step skip)
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, kv_cache=True):

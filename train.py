@@ -10,7 +10,8 @@ Resume the run in out_dir:
 Mixture-of-Depths (SPEC §3; GPTConfig's keys mod, mod_rate and skip_target are config keys too):
     python train.py config/shakespeare_char_cpu.py --residual=nag --mod=nag --mod_rate=0.25
     python train.py config/shakespeare_char_cpu.py --residual=sandwich --mod=skip_middle --mod_rate=0.25
-Ctrl-C (SIGINT) or SIGTERM checkpoints at the next step boundary and prints the resume command.
+Ctrl-C (SIGINT) or SIGTERM checkpoints at the next step boundary and prints the resume command (under
+DDP the ranks agree on the step at log iterations, so the stop may come up to log_interval steps later).
 """
 
 import contextlib
@@ -137,6 +138,21 @@ def batch_generator(seed, iter_num, micro):
     return torch.Generator().manual_seed((seed * 1_000_003 + iter_num) * 1_009 + micro)
 
 
+def train_batches(path, batch_size, block_size, seed, iter_num, first_micro, accum, device):
+    """This rank's training micro-batches from iteration iter_num on, in order, drawn one ahead: batch
+    i + 1 is loaded (on CUDA: its copy from pinned memory queued, non_blocking) before batch i is handed
+    out, so loading overlaps the GPU work of the step. Micro-step m of a rank is global micro-step
+    first_micro + m: the batches are batch_generator's, whatever the prefetch."""
+    def load(it, micro):
+        return get_batch(path, batch_size, block_size, batch_generator(seed, it, first_micro + micro), device)
+    ahead = load(iter_num, 0)
+    while True:
+        for micro in range(accum):
+            batch, ahead = ahead, load(*((iter_num, micro + 1) if micro + 1 < accum else (iter_num + 1, 0)))
+            yield batch
+        iter_num += 1
+
+
 # -----------------------------------------------------------------------------
 # checkpoints
 
@@ -239,6 +255,103 @@ def average_gate_stats(mod, world):
 
 
 # -----------------------------------------------------------------------------
+# the training step: nothing in it reads a value back to the host (that would wait for the GPU)
+
+def use_fused_adamw(optimizer):
+    """Fused AdamW on every device (CPU too, torch >= 2.4): it is the AdamW that skips a step on the
+    device, given found_inf (the flag GradScaler hands it), leaving parameters, moments and step counts
+    exactly as they were; the foreach path would need a host read to skip. Also after load_state_dict,
+    which brings back the flags (and step counters) a checkpoint was saved with."""
+    for group in optimizer.param_groups:
+        group["foreach"], group["fused"] = False, True
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if state and "step" in state:  # fused keeps the step count next to the parameter
+                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+
+
+class StepStats:
+    """What the training steps count for the host, on the device until read() (a sync) at a log or eval
+    iteration. Bad steps (non-finite loss or gradients, skipped): how many in a row now, the longest run
+    and how many since the last read. MoD: each micro-step's executed tokens per sublayer (Python ints,
+    or 0-d tensors where the routing decided on the device), turned at read() into the run's FLOPs and
+    the mean executed fractions with the same Python float arithmetic as a per-micro-step float()."""
+
+    def __init__(self, config, micro_tokens, device):
+        self.config, self.micro_tokens = config, micro_tokens
+        self.bad = torch.zeros(3, dtype=torch.int64, device=device)  # in a row, longest run, count
+        self.executed = []  # since the last read, per micro-step: (tokens run per sublayer, tokens)
+        self.flops = 0.0  # this rank's training FLOPs since the process started
+        self.exec_sum, self.exec_n = None, 0  # executed fractions per sublayer, summed over micro-steps
+
+    def micro_step(self, executed, tokens):
+        counts = [e for e in executed if torch.is_tensor(e)]
+        if counts:  # one float64 row on the device; the counts are integers, exact in float64
+            executed = torch.stack([e.to(torch.float64) if torch.is_tensor(e) else
+                                    torch.full((), e, dtype=torch.float64, device=counts[0].device) for e in executed])
+        self.executed.append((executed, tokens))
+
+    def step(self, found_inf):
+        bad = found_inf.to(torch.int64)
+        in_a_row = (self.bad[0] + 1) * bad
+        self.bad = torch.stack([in_a_row, torch.maximum(self.bad[1], in_a_row), self.bad[2] + bad])
+
+    def read(self):
+        """Returns (bad steps in a row, the longest run, bad steps) since the last read; adds up FLOPs."""
+        rows = [e for e, _ in self.executed if torch.is_tensor(e)]
+        rows = iter(torch.stack(rows).tolist() if rows else [])
+        for executed, tokens in self.executed:
+            frac = [float(e) / tokens for e in (next(rows) if torch.is_tensor(executed) else executed)]
+            self.flops += train_flops_per_token(self.config, frac) * self.micro_tokens
+            self.exec_sum = frac if self.exec_sum is None else [a + b for a, b in zip(self.exec_sum, frac)]
+            self.exec_n += 1
+        self.executed = []
+        in_a_row, longest, count = self.bad.tolist()
+        self.bad = torch.stack([self.bad[0], self.bad[0], torch.zeros_like(self.bad[0])])
+        return in_a_row, longest, count
+
+
+def train_step(model, raw_model, optimizer, scaler, batches, stats, accum, autocast, grad_clip):
+    """One optimizer step over `accum` micro-batches from `batches`; returns the last micro-step's loss
+    (a device tensor, divided by accum). A non-finite gradient norm (a NaN/inf loss too: its gradients
+    are NaN) skips the step on the device: fused AdamW gets found_inf, skip_middle's controller keeps
+    lam and mu, and stats counts it. Gradients are all-reduced before the norm, so every DDP rank
+    skips the same steps. With fp16 this check covers the scaler's own (the same infs); update()
+    still lowers the scale after a bad step."""
+    ddp = isinstance(model, DDP)
+    for micro in range(accum):
+        X, Y = next(batches)
+        sync = contextlib.nullcontext() if (not ddp or micro == accum - 1) else model.no_sync()
+        with sync:
+            with autocast:
+                _, loss = model(X, Y)
+                loss = loss / accum
+            scaler.scale(loss).backward()
+        stats.micro_step(raw_model.last_executed, raw_model.last_tokens)
+    scaler.unscale_(optimizer)  # a no-op without fp16; the norm below must be of the true gradients
+    params = [p for p in model.parameters() if p.grad is not None]
+    if grad_clip > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    else:
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    found_inf = (~torch.isfinite(grad_norm)).float()
+    optimizer.found_inf = found_inf  # read by fused AdamW's step (see use_fused_adamw)
+    optimizer.step()
+    del optimizer.found_inf
+    controller = [raw_model.mod.lam, raw_model.mod.mu] if isinstance(raw_model.mod, SkipMiddle) else []
+    if controller and ddp:
+        average_gate_stats(raw_model.mod, dist.get_world_size())
+    before = [c.clone() for c in controller]
+    raw_model.after_step()  # skip_middle: the sparsity controller moves lam, mu, but not after a skipped step
+    for c, old in zip(controller, before):
+        c.copy_(torch.where(found_inf > 0, old, c))
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    stats.step(found_inf)
+    return loss.detach()
+
+
+# -----------------------------------------------------------------------------
 
 def main(argv):
     cfg = configure(argv, DEFAULTS)
@@ -328,11 +441,13 @@ def main(argv):
         if master:
             print(f"resuming from {ckpt_path} at iter {iter_num} (best val loss {best_val_loss:.4f})")
         del ckpt
+    use_fused_adamw(optimizer)
     raw_model = model
     if cfg["compile"]:
         if master:
             print("compiling the model...")
         model = torch.compile(model)
+    eval_model = model  # evals run the module that trains (compiled or not), in eval mode, without DDP
     if ddp:
         model = wrap_ddp(model, gptconf, device)
 
@@ -368,7 +483,7 @@ def main(argv):
 
     @torch.no_grad()
     def estimate_loss():
-        raw_model.eval()
+        eval_model.eval()
         out = {}
         for split in ("train", "val"):
             g = torch.Generator().manual_seed(EVAL_SEED)
@@ -376,10 +491,10 @@ def main(argv):
             for k in range(cfg["eval_iters"]):
                 X, Y = get_batch(paths[split], cfg["batch_size"], cfg["block_size"], g, device)
                 with autocast:
-                    _, loss = raw_model(X, Y)
+                    _, loss = eval_model(X, Y)
                 losses[k] = loss.item()
             out[split] = losses.mean().item()
-        raw_model.train()
+        eval_model.train()
         return out
 
     def all_rng_states():
@@ -393,12 +508,30 @@ def main(argv):
 
     def flops_so_far():
         """Training FLOPs of the run so far, counted from each micro-step's realised executed fractions
-        (a collective under DDP: the sum over ranks)."""
+        (a collective under DDP: the sum over ranks). After read_stats()."""
         if not ddp:
-            return flops_base + flops_local
-        total = torch.tensor([flops_local], dtype=torch.float64, device=device)
+            return flops_base + stats.flops
+        total = torch.tensor([stats.flops], dtype=torch.float64, device=device)
         dist.all_reduce(total)
         return flops_base + total.item()
+
+    def read_stats(last_iter):
+        """A sync point (log and eval iterations, a checkpoint): read what the steps up to iteration
+        last_iter counted on the device; too many bad steps in a row stop the run (on every DDP rank at
+        once: their steps skip together), before any checkpoint is written."""
+        in_a_row, longest, skipped = stats.read()
+        limit = max(1, cfg["max_bad_steps"])
+        if skipped and master:
+            print(f"iter {last_iter}: non-finite loss or gradients, {skipped} step(s) skipped since the last "
+                  f"log ({in_a_row} in a row now, the longest run {longest}, max_bad_steps={cfg['max_bad_steps']})")
+        if longest >= limit:
+            stop.restore()
+            if ddp:
+                dist.destroy_process_group()
+            raise TrainingStopped(
+                f"non-finite loss or gradients for {longest} consecutive steps by iteration {last_iter}: "
+                f"stopped; the last good checkpoint {ckpt_path} is kept. "
+                f"Lower --learning_rate or --grad_clip and resume with --init_from=resume")
 
     def save(rngs, flops):
         save_checkpoint({
@@ -411,12 +544,13 @@ def main(argv):
 
     # --- the loop: evaluate (and checkpoint) before iteration iter_num; train it; repeat
     start_iter = iter_num
-    t_last, iters_since, train_time = time.time(), 0, 0.0
-    lossf = float("nan")
-    bad_steps = 0  # consecutive optimizer steps skipped for non-finite gradients
+    train_time, iters_since = 0.0, 0  # training time and iterations since the last eval
+    t_last, log_iters = time.time(), 0  # the last sync point (log, eval) and the iterations since
     micro_tokens = cfg["batch_size"] * cfg["block_size"]  # per rank and micro-step
-    flops_local, flops_last = 0.0, flops_base  # this rank's training FLOPs since start; the run's at the last eval
-    exec_sum, exec_n = None, 0  # MoD: executed fractions per sublayer, summed over micro-steps since the last eval
+    stats = StepStats(gptconf, micro_tokens, device)  # bad steps, MoD executed tokens: read at log/eval
+    flops_last = flops_base  # the run's training FLOPs at the last eval
+    batches = train_batches(paths["train"], cfg["batch_size"], cfg["block_size"], cfg["seed"], iter_num,
+                            rank * accum, accum, device)
     stop = StopSignals().install()  # restored when the loop ends (normally, by a signal or by NaNs)
     while True:
         lr = get_lr(iter_num)
@@ -424,6 +558,8 @@ def main(argv):
             group["lr"] = lr
         is_eval = iter_num % cfg["eval_interval"] == 0 or iter_num == cfg["max_iters"]
         if is_eval and (iter_num != start_iter or start_iter == 0 or cfg["eval_only"]):
+            read_stats(iter_num - 1)  # waits for the steps still queued on the GPU: their time is training
+            train_time += time.time() - t_last if iters_since else 0.0
             rngs, flops = all_rng_states(), flops_so_far()
             if master:
                 losses = estimate_loss()
@@ -439,7 +575,7 @@ def main(argv):
                 if gptconf.mod != "none":
                     # the mean over the training micro-steps since the last eval (None: none yet), and
                     # eval routing (thresholds tau) on the last val batch
-                    fracs = {"train": [x / exec_n for x in exec_sum] if exec_n else None,
+                    fracs = {"train": [x / stats.exec_n for x in stats.exec_sum] if stats.exec_n else None,
                              "eval": raw_model.executed_fraction() if cfg["eval_iters"] else None}
                     for k, frac in fracs.items():
                         record[f"exec_{k}"] = None if frac is None else [round(x, 4) for x in frac]
@@ -459,20 +595,24 @@ def main(argv):
                 if iter_num > 0 and (improved or cfg["always_save_checkpoint"]):
                     save(rngs, flops)
             train_time, iters_since = 0.0, 0
-            flops_last, exec_sum, exec_n = flops, None, 0
-            t_last = time.time()
+            flops_last, stats.exec_sum, stats.exec_n = flops, None, 0
+            t_last, log_iters = time.time(), 0
         if iter_num >= cfg["max_iters"] or cfg["eval_only"]:
             break
 
         # a step boundary: the state is exactly "before iteration iter_num", so a checkpoint now
-        # resumes bit-for-bit (data and LR depend only on iter_num). Under DDP every rank must
-        # stop at the same iteration: one tiny all_reduce per step.
+        # resumes bit-for-bit (data and LR depend only on iter_num). Under DDP every rank must stop at
+        # the same iteration: they agree on it (a tiny all_reduce, read on the host) at log iterations.
         signum = stop.signum
         if ddp:
-            flag = torch.tensor([signum], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            signum = int(flag.item())
+            if iter_num % cfg["log_interval"] == 0:
+                flag = torch.tensor([signum], device=device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                signum = int(flag.item())
+            else:
+                signum = 0
         if signum:
+            read_stats(iter_num - 1)
             rngs, flops = all_rng_states(), flops_so_far()
             if master:
                 # the interrupt checkpoint is the resume point, so it goes to ckpt.pt; when only
@@ -494,62 +634,18 @@ def main(argv):
                               f"checkpoint in {ckpt_path}. Resume with: "
                               f"{resume_command(argv, cfg['out_dir'], world)}" if master else "", signum)
 
-        # one optimizer step over `accum` micro-steps; gradients sync only on the last one
-        for micro in range(accum):
-            X, Y = get_batch(paths["train"], cfg["batch_size"], cfg["block_size"],
-                             batch_generator(cfg["seed"], iter_num, rank * accum + micro), device)
-            sync = contextlib.nullcontext() if (not ddp or micro == accum - 1) else model.no_sync()
-            with sync:
-                with autocast:
-                    _, loss = model(X, Y)
-                    loss = loss / accum
-                scaler.scale(loss).backward()
-            if gptconf.mod == "none":
-                flops_local += flops_per_token * micro_tokens
-            else:  # python numbers: no GPU sync (skip_middle's routing has already synced)
-                frac = raw_model.executed_fraction()
-                flops_local += train_flops_per_token(gptconf, frac) * micro_tokens
-                exec_sum = frac if exec_sum is None else [a + b for a, b in zip(exec_sum, frac)]
-                exec_n += 1
-        scaler.unscale_(optimizer)  # a no-op without fp16; the norm below must be of the true gradients
-        params = [p for p in model.parameters() if p.grad is not None]
-        if cfg["grad_clip"] > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip"])
-        else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        # one check covers a NaN/inf loss too (its gradients are NaN). Gradients are already
-        # all-reduced, so every DDP rank takes the same decision. With fp16 this replaces the
-        # scaler's own skip (not added to it): update() still lowers the scale after a bad step.
-        if torch.isfinite(grad_norm).item():
-            scaler.step(optimizer)
-            if ddp and isinstance(raw_model.mod, SkipMiddle):
-                average_gate_stats(raw_model.mod, world)
-            raw_model.after_step()  # skip_middle: the sparsity controller moves lam, mu
-            bad_steps = 0
-        else:
-            bad_steps += 1
-            if master:
-                print(f"iter {iter_num}: non-finite loss or gradients, step skipped "
-                      f"({bad_steps} in a row, max_bad_steps={cfg['max_bad_steps']})")
-            if bad_steps >= max(1, cfg["max_bad_steps"]):
-                stop.restore()
-                if ddp:
-                    dist.destroy_process_group()
-                raise TrainingStopped(
-                    f"non-finite loss or gradients for {bad_steps} consecutive steps, the last at "
-                    f"iteration {iter_num}: stopped; the last good checkpoint {ckpt_path} is kept. "
-                    f"Lower --learning_rate or --grad_clip and resume with --init_from=resume")
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-
-        t_now = time.time()
-        dt, t_last = t_now - t_last, t_now
-        train_time += dt
+        loss = train_step(model, raw_model, optimizer, scaler, batches, stats, accum=accum, autocast=autocast,
+                          grad_clip=cfg["grad_clip"])
         iters_since += 1
-        if iter_num % cfg["log_interval"] == 0 and master:
-            lossf = loss.item() * accum  # .item() syncs with the GPU, so only every log_interval
-            print(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f}ms, lr {lr:.2e}, "
-                  f"{tokens_per_iter / dt:,.0f} tok/s")
+        log_iters += 1
+        if iter_num % cfg["log_interval"] == 0:  # a sync point: counters and the loss come to the host
+            read_stats(iter_num)
+            t_now = time.time()
+            dt = (t_now - t_last) / log_iters  # the mean since the last sync point: steps run ahead of the GPU
+            train_time, t_last, log_iters = train_time + (t_now - t_last), t_now, 0
+            if master:
+                print(f"iter {iter_num}: loss {loss.item() * accum:.4f}, time {dt * 1000:.2f}ms, lr {lr:.2e}, "
+                      f"{tokens_per_iter / dt:,.0f} tok/s")
         iter_num += 1
 
     stop.restore()

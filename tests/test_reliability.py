@@ -103,9 +103,10 @@ def test_ctrl_c_from_the_command_line(data_dir, tmp_path):
 
 def test_ddp_sigterm_all_ranks_stop_rank_0_saves_and_resume_works(data_dir, tmp_path):
     """SIGTERM to torchrun (as a cluster scheduler sends it): torchrun forwards it to both ranks, they agree
-    on the step to stop at, rank 0 alone writes, and the printed torchrun command resumes."""
+    on the step to stop at (at a log iteration: log_interval=2), rank 0 alone writes, and the printed
+    torchrun command resumes."""
     out = tmp_path / "out"
-    args = tiny_args(data_dir, out, max_iters=100_000, lr_decay_iters=100_000, eval_interval=100_000)
+    args = tiny_args(data_dir, out, max_iters=100_000, lr_decay_iters=100_000, eval_interval=100_000, log_interval=2)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     p, stdout, stderr = signal_after_iter_2([*torchrun, "train.py", *args], signal.SIGTERM)
     assert p.returncode != 0
@@ -116,7 +117,7 @@ def test_ddp_sigterm_all_ranks_stop_rank_0_saves_and_resume_works(data_dir, tmp_
     assert cmd[:4] == ["torchrun", "--standalone", "--nproc_per_node=2", "train.py"]
     ckpt = load_ckpt(out)
     it = ckpt["iter_num"]
-    assert it >= 3 and len(ckpt["rng"]) == 2
+    assert it >= 3 and it % 2 == 0 and len(ckpt["rng"]) == 2
     r = run([*torchrun, *cmd[3:], f"--max_iters={it + 1}"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"at iter {it}" in r.stdout and load_ckpt(out)["iter_num"] == it + 1
@@ -188,11 +189,17 @@ def test_kill_9_mid_save_leaves_the_previous_checkpoint(tmp_path):
 # non-finite loss: the step is skipped; max_bad_steps in a row stop the run
 
 @pytest.fixture
-def nan_at(monkeypatch, at_batch):
+def nan_at(monkeypatch):
     """nan_at(iters): the training loss is NaN at those iterations (evals are untouched)."""
     def install(bad_iters):
-        current = {}
-        at_batch(lambda it, micro: current.update(it=it))
+        current, batches = {}, train.train_batches
+
+        def tracked(path, batch_size, block_size, seed, iter_num, first_micro, accum, device):
+            # the iteration of the batch the step is handed (batches are drawn one ahead)
+            for i, batch in enumerate(batches(path, batch_size, block_size, seed, iter_num, first_micro, accum, device)):
+                current["it"] = iter_num + i // accum
+                yield batch
+        monkeypatch.setattr(train, "train_batches", tracked)
         forward = GPT.forward
 
         def poisoned(self, idx, targets=None):
@@ -223,7 +230,7 @@ def test_fp16_bad_step_is_counted_once(data_dir, tmp_path, in_process, nan_at, c
     out = tmp_path / "out"
     nan_at({3})
     in_process(tiny_args(data_dir, out, dtype="float16", max_iters=4, max_bad_steps=2))
-    assert capsys.readouterr().out.count("step skipped (1 in a row") == 1
+    assert capsys.readouterr().out.count("1 step(s) skipped since the last log (1 in a row") == 1
     scaler = load_ckpt(out)["scaler"]
     assert scaler["scale"] == 2.0 ** 16 * scaler["backoff_factor"]  # halved once from the initial 2^16
 
@@ -241,6 +248,19 @@ def test_too_many_bad_steps_stop_and_keep_the_checkpoint(max_bad_steps, stop_ite
     ckpt = train.load_checkpoint(str(out / "ckpt.pt"), torch.device("cpu"))
     assert ckpt["iter_num"] == ckpt_iter
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
+
+
+def test_bad_steps_are_read_at_the_next_log_or_eval(data_dir, tmp_path, in_process, nan_at):
+    """Steps count bad steps on the device and the host reads them at log and eval iterations only: a
+    run of max_bad_steps (5, 6) that good steps (7) follow is still caught at the next read, the eval
+    at 8, before its checkpoint; the one at 4 is kept."""
+    out = tmp_path / "out"
+    nan_at({5, 6})
+    with pytest.raises(train.TrainingStopped) as e:
+        in_process(tiny_args(data_dir, out, max_bad_steps=2, log_interval=4, eval_interval=4, max_iters=12,
+                             lr_decay_iters=12))
+    assert "for 2 consecutive steps by iteration 7" in str(e.value)
+    assert load_ckpt(out)["iter_num"] == 4
 
 
 # -----------------------------------------------------------------------------

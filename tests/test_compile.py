@@ -1,0 +1,197 @@
+"""The model under torch.compile, proven on a CPU: the kernels stay in the graph as the nanodepth::
+custom ops (kernels='triton'; on CPU tensors the ops run their reference), compiled values and
+gradients equal eager, Mixture-of-Depths compiles to one graph without recompiling, and AttnRes
+keeps O(L) saved activations (its sources are read where they lie, never re-stacked)."""
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+import bench
+from model import GPT, GPTConfig, RESIDUALS
+
+pytest.importorskip("triton")
+SHAPE = dict(block_size=16, vocab_size=65, n_layer=2, n_head=2, n_embd=32)
+OPS = {  # the custom ops each residual mode's forward must keep in the graph
+    "prenorm": {"rms_norm"},
+    "sandwich": {"rms_norm"},
+    "nag": {"nag_update"},
+    "attnres": {"rms_norm", "depth_attention"},
+    "block_attnres": {"rms_norm", "depth_attention"},
+}
+
+
+def make_model(seed=0, **kw):
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**{**SHAPE, **kw}))
+    with torch.no_grad():  # off the init, so that every gain, query and norm weight matters
+        for p in model.stream.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    return model
+
+
+def batch(seed=1, B=2):
+    return torch.randint(0, SHAPE["vocab_size"], (B, SHAPE["block_size"]), generator=torch.Generator().manual_seed(seed))
+
+
+class Recorder:
+    """A torch.compile backend that keeps Dynamo's FX graphs and runs them as they are."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def ops(self):
+        """The nanodepth:: ops called in the recorded graphs (by name: rms_norm, ...)."""
+        return {str(n.target).split(".")[1] for gm in self.graphs for n in gm.graph.nodes
+                if n.op == "call_function" and str(n.target).startswith("nanodepth.")}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("residual", list(RESIDUALS))
+def test_fullgraph_keeps_the_custom_ops(residual):
+    model = make_model(residual=residual, kernels="triton")
+    recorder = Recorder()
+    _, loss = torch.compile(model, backend=recorder, fullgraph=True)(batch(), batch())
+    loss.backward()
+    assert len(recorder.graphs) == 1
+    assert recorder.ops() == OPS[residual]
+
+
+@pytest.mark.parametrize("residual", ["prenorm", "nag", "attnres", "block_attnres"])
+def test_references_compile_away(residual):
+    """kernels='torch': the plain references, which inductor can fuse: no custom op in the graph."""
+    recorder = Recorder()
+    torch.compile(make_model(residual=residual, kernels="torch"), backend=recorder, fullgraph=True)(batch(), batch())
+    assert recorder.ops() == set()
+
+
+def loss_and_grads(model, run, idx):
+    model.zero_grad(set_to_none=True)
+    logits, loss = run(idx, idx)
+    loss.backward()
+    return logits, loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("residual,kernels", [(r, "triton") for r in RESIDUALS] + [("attnres", "torch"), ("nag", "torch")])
+def test_compiled_equals_eager(residual, kernels):
+    """AOTAutograd traces the ops' fake implementations and registered backwards (aot_eager): the
+    compiled forward and backward must give eager's loss and every gradient."""
+    model = make_model(residual=residual, kernels=kernels)
+    idx = batch()
+    logits_e, loss_e, grads_e = loss_and_grads(model, model, idx)
+    logits_c, loss_c, grads_c = loss_and_grads(model, torch.compile(model, backend="aot_eager", fullgraph=True), idx)
+    torch.testing.assert_close(logits_c, logits_e, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-6, atol=0)
+    assert grads_c.keys() == grads_e.keys()
+    for name in grads_e:
+        torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("residual", list(RESIDUALS))
+def test_compiled_eval_equals_eager(residual):
+    """Evals run the compiled module in eval mode under no_grad (train.py's estimate_loss): the
+    default kernels (the references on CPU) trace there too, and give eager's logits."""
+    model = make_model(residual=residual).eval()
+    with torch.no_grad():
+        logits_e, loss_e = model(batch(), batch())
+        logits_c, loss_c = torch.compile(model, backend=Recorder(), fullgraph=True)(batch(), batch())
+    torch.testing.assert_close(logits_c, logits_e, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-6, atol=0)
+
+
+MOD_CASES = {
+    "nag": dict(residual="nag", mod="nag", mod_rate=0.25),
+    "router": dict(residual="prenorm", mod="router", mod_rate=0.25),
+    "router-attnres": dict(residual="attnres", mod="router", mod_rate=0.5),
+    "skip_middle": dict(residual="sandwich", mod="skip_middle", mod_rate=0.25),
+}
+
+
+@pytest.mark.parametrize("case", list(MOD_CASES))
+def test_mod_compiles_to_one_graph_without_recompiling(case):
+    """Training: top-k with a static k (nag, router) and skip_middle's gathering padded to T under
+    compile make one full graph, compiled once over 5 steps whose routing differs; eval (thresholds
+    tau, data-dependent in eager) one more graph, whose logits equal eager's."""
+    model = make_model(**{**SHAPE, **MOD_CASES[case]})
+    if case == "skip_middle":  # producers that saturate some tokens' gates from the start
+        with torch.no_grad():
+            for producer in model.mod.producers:
+                producer.weight.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(3))
+    # Dynamo alone (recompiles and graph breaks are decided there); test_compiled_equals_eager
+    # covers AOTAutograd's forward and backward
+    compiled = torch.compile(model, backend=Recorder(), fullgraph=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(5):
+        _, loss = compiled(batch(step), batch(step + 100))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        model.after_step()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["recompiles"] and not counters["graph_break"]
+    if MOD_CASES[case]["mod"] != "skip_middle":
+        assert not model.mod.tau.isnan().any()  # eval routes by thresholds from here on
+    model.eval()
+    executed = []
+    with torch.no_grad():
+        for step in range(3):
+            idx = batch(50 + step, B=3)
+            logits_c, loss_c = compiled(idx, idx)
+            exec_c = model.executed_fraction()
+            logits_e, loss_e = model(idx, idx)
+            executed.append(model.executed_fraction())
+            torch.testing.assert_close(logits_c, logits_e, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=0)
+            assert exec_c == pytest.approx(executed[-1])  # the same routing, counted the same way
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
+    assert min(min(e) for e in executed) < 1.0  # some tokens really were routed around a sublayer
+
+
+def saved_ratio(residual, compiled=False, dtype=torch.float32, n_layer=16):
+    idx = torch.randint(0, 65, (4, 64), generator=torch.Generator().manual_seed(0))
+    saved = {}
+    for r in ("prenorm", residual):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=64, vocab_size=65, n_layer=n_layer, n_head=4, n_embd=128, residual=r))
+        saved[r] = bench.saved_activation_bytes(model, idx, compiled, dtype)
+    return saved[residual] / saved["prenorm"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_attnres_saved_activations_are_linear_in_depth(dtype):
+    """16 layers: full AttnRes keeps 33 sources; re-stacking them at each sublayer saved 2.48x
+    prenorm's activations. Read where they lie, they cost at most 1.5x; under bf16 autocast too
+    (an fp32 embedding would promote every source, and save fp32 copies)."""
+    assert saved_ratio("attnres", dtype=dtype) <= 1.5
+    assert saved_ratio("block_attnres", dtype=dtype) <= 1.5
+
+
+def test_attnres_sources_stay_in_the_compute_dtype():
+    """Under bf16 autocast every source (the embedding included) reaches depth_attention in bf16."""
+    import kernels
+    seen = []
+    original = kernels.depth_attention
+
+    def spy(sources, *args, **kw):
+        seen.append({s.dtype for s in sources})
+        return original(sources, *args, **kw)
+    model = make_model(residual="attnres")
+    import model as model_module
+    model_module.depth_attention, saved = spy, model_module.depth_attention
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(batch(), batch())
+    finally:
+        model_module.depth_attention = saved
+    assert seen and all(s == {torch.bfloat16} for s in seen)
