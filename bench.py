@@ -236,19 +236,18 @@ COMPILE_VARIANTS = {  # name: (compiled?, kernels)
 }
 
 
-def bench_compile(device, dtype, reps, batch_size, backend="inductor", layers=None):
+def bench_compile(device, dtype, reps, batch_size, backend="inductor", layers=4, saved_layers=16,
+                  residuals=tuple(RESIDUALS)):
     """Each residual mode eager, compiled with the kernels' references fused by inductor, and compiled
     with the kernels as custom ops: step time, peak memory (GPU) and saved-activation bytes, each as
-    a ratio to prenorm in the same variant. The saved bytes also at 16 layers, where AttnRes's
-    O(L) sources matter (SPEC: at most 1.5x prenorm's)."""
+    a ratio to prenorm in the same variant. On a CPU the saved bytes are taken at 16 layers, where
+    AttnRes's O(L) sources matter (SPEC: at most 1.5x prenorm's); on a GPU at the 124M shape."""
     gpu = device.type == "cuda"
-    shape, B = step_shape("compile", device, dtype, True, batch_size, cpu_layers=4)
-    if layers:
-        shape["n_layer"] = layers
+    shape, B = step_shape("compile", device, dtype, True, batch_size, cpu_layers=layers)
     configs = {(r, v): (GPTConfig(residual=r, kernels=k, **shape), c)
-               for r in RESIDUALS for v, (c, k) in COMPILE_VARIANTS.items()}
+               for r in residuals for v, (c, k) in COMPILE_VARIANTS.items()}
     times, mem = time_steps(configs, device, dtype, True, reps, B, backend=backend)
-    deep = dict(shape, n_layer=16) if not gpu else shape
+    deep = dict(shape, n_layer=saved_layers) if not gpu else shape
     idx = torch.randint(0, deep["vocab_size"], (min(B, 4), deep["block_size"]), device=device)
     saved = {}
     for (r, v), (config, compiled) in configs.items():

@@ -3,6 +3,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench  # noqa: E402
@@ -27,3 +28,35 @@ def test_bench_prints_every_kernel_and_mode(capsys):
 def test_bench_rejects_an_unknown_section():
     with pytest.raises(ConfigError, match="unknown section"):
         bench.main(["--section=kernel", "--reps=1"])
+
+
+def test_bench_compile_prints_every_mode_and_variant(capsys):
+    """--section=compile's table (aot_eager, one layer and two modes here, to stay quick): each mode in
+    every variant, with saved-activation ratios to prenorm."""
+    times, saved = bench.bench_compile(torch.device("cpu"), torch.float32, reps=1, batch_size=2,
+                                       backend="aot_eager", layers=1, saved_layers=2,
+                                       residuals=("prenorm", "attnres"))
+    out = capsys.readouterr().out
+    for residual in ("prenorm", "attnres"):
+        for variant in bench.COMPILE_VARIANTS:
+            assert times[(residual, variant)] > 0 and saved[(residual, variant)] > 0
+            assert f"| {residual} | {variant} |" in out
+    assert saved[("attnres", "eager")] > saved[("prenorm", "eager")]  # its sources are saved too
+
+
+def test_saved_activation_bytes_count_each_storage_once():
+    """Two sublayers reading one source save it once: the figure is bytes of distinct storages."""
+    from model import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, vocab_size=65, n_layer=1, n_head=2, n_embd=16))
+    idx = torch.zeros(2, 8, dtype=torch.long)
+    seen = []
+
+    def pack(t):
+        seen.append(t)
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(idx, idx)
+    distinct = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in seen}
+    assert len(distinct) < len(seen)  # some storages are saved more than once
+    assert bench.saved_activation_bytes(model, idx) == sum(distinct.values())
