@@ -33,6 +33,7 @@ from configurator import ConfigError, configure
 from model import GPT, GPTConfig, RESIDUALS
 
 DEFAULTS = dict(section="all", device="auto", dtype="auto", compile=True, reps=0, batch_size=0,
+                layers=0,  # --section=model: the depth (0: 12 on a GPU, 4 on a CPU)
                 backend="inductor")  # backend: torch.compile's, for --section=compile
 
 
@@ -179,19 +180,22 @@ def saved_activation_bytes(model, idx, compiled=False, dtype=torch.float32):
     return saved["bytes"]
 
 
-def step_shape(title, device, dtype, use_compile, batch_size, cpu_layers):
-    """GPTConfig keys and batch size of a timed step: GPT-2 124M on a GPU, quickstart width on a CPU."""
+def step_shape(title, device, dtype, use_compile, batch_size, cpu_layers, layers=0):
+    """GPTConfig keys and batch size of a timed step: GPT-2 124M on a GPU, quickstart width on a CPU
+    (cpu_layers deep); `layers` (--layers), when set, overrides the depth of either."""
     gpu = device.type == "cuda"
     shape = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50257) if gpu else \
         dict(n_layer=cpu_layers, n_head=4, n_embd=128, block_size=64, vocab_size=65)
+    if layers:
+        shape["n_layer"] = layers
     B = batch_size or (8 if gpu else 12)
     print(f"\n## {title} ({device.type}, {str(dtype).replace('torch.', '')}, compile={use_compile}, B={B}, {shape})")
     return shape, B
 
 
-def bench_model(device, dtype, use_compile, reps, batch_size):
+def bench_model(device, dtype, use_compile, reps, batch_size, layers=0):
     gpu = device.type == "cuda"
-    shape, B = step_shape("model step", device, dtype, use_compile, batch_size, cpu_layers=4)
+    shape, B = step_shape("model step", device, dtype, use_compile, batch_size, cpu_layers=4, layers=layers)
     configs = {r: GPTConfig(residual=r, **shape) for r in RESIDUALS}
     times, mem = time_steps(configs, device, dtype, use_compile, reps, B)
     idx = torch.randint(0, shape["vocab_size"], (B, shape["block_size"]), device=device)
@@ -283,7 +287,7 @@ def main(argv=None):
     use_compile = cfg["compile"] and device.type == "cuda"
     times = {}
     if cfg["section"] in ("all", "model"):
-        times.update(bench_model(device, dtype, use_compile, reps, cfg["batch_size"]))
+        times.update(bench_model(device, dtype, use_compile, reps, cfg["batch_size"], cfg["layers"]))
     if cfg["section"] in ("all", "mod"):
         times.update(bench_mod(device, dtype, use_compile, reps, cfg["batch_size"]))
     if cfg["section"] == "compile":  # not in "all": it compiles 10 models

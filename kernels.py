@@ -216,14 +216,17 @@ class RMSNormTorch(torch.autograd.Function):
         inv = _rms_stats(xf, eps)
         x_hat = (xf * inv).type_as(x)
         ctx.save_for_backward(x_hat, weight, inv)
-        return x_hat * weight if weight is not None else x_hat
+        # in x's dtype, as the kernel and the op (a bf16 x and an fp32 weight give bf16)
+        return (x_hat * weight).type_as(x) if weight is not None else x_hat
 
     @staticmethod
     def backward(ctx, grad):
         x_hat, weight, inv = ctx.saved_tensors
-        grad_weight = (grad * x_hat).flatten(0, -2).sum(0) if weight is not None else None
-        g = grad * weight if weight is not None else grad
-        return _rms_norm_grad_x(g, x_hat, inv).type_as(x_hat), grad_weight, None
+        g, xf = upcast(grad), upcast(x_hat)  # fp32 math (no copies when x is fp32)
+        grad_weight = (g * xf).flatten(0, -2).sum(0).type_as(weight) if weight is not None else None
+        if weight is not None:
+            g = g * weight
+        return _rms_norm_grad_x(g, xf, inv).type_as(x_hat), grad_weight, None
 
 
 def rms_norm_fwd_torch(x: Tensor, weight: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor]:
