@@ -5,6 +5,7 @@ Sample from a trained nanodepth model.
     python sample.py --out_dir=out-shakespeare-char-cpu --start="ROMEO:" --num_samples=3 --temperature=0.7
     python sample.py --out_dir=out-gpt2-owt --start=FILE:prompt.txt
     python sample.py --out_dir=out-nag-mod --kv_cache=False   # recompute the context every token (comparison)
+    python sample.py --out_dir=out-nag-mod --kernels=torch    # the plain PyTorch references (a run setting)
 
 Generation uses a per-layer KV cache by default (kv_cache=True). tokens/s goes to stderr, and for a
 Mixture-of-Depths model (mod != none) so does the realised skip rate of every sublayer, 1 - executed /
@@ -20,6 +21,7 @@ import time
 import torch
 
 from configurator import ConfigError, configure
+from kernels import IMPLS
 from model import GPT, GPTConfig
 from train import load_checkpoint
 
@@ -33,7 +35,8 @@ DEFAULTS = dict(
     seed=1337,
     device="auto",
     dtype="auto",
-    compile=False,
+    kernels=None,  # None: the checkpoint's; auto | triton | torch (a run setting, as in train.py)
+    compile=False,  # removed: True is an error (generation runs eagerly; see main)
     kv_cache=True,  # False: recompute the whole (cropped) context for every new token
 )
 
@@ -61,6 +64,9 @@ def load_codec(ckpt):
 
 def main(argv):
     cfg = configure(argv, DEFAULTS)
+    if cfg["compile"]:  # it used to compile a module that generate() never ran
+        raise ConfigError("sample.py no longer takes --compile=True: generation runs eagerly (the KV-cache step "
+                          "changes shape every token); drop --compile")
     if cfg["device"] == "auto":
         cfg["device"] = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(cfg["device"])
@@ -69,16 +75,19 @@ def main(argv):
     torch.manual_seed(cfg["seed"])
 
     ckpt = load_checkpoint(os.path.join(cfg["out_dir"], "ckpt.pt"), device)
+    model_args = dict(ckpt["model_args"])
+    if cfg["kernels"] is not None:
+        if cfg["kernels"] not in IMPLS:
+            raise ConfigError(f"unknown kernels {cfg['kernels']!r}; valid: {', '.join(IMPLS)}")
+        model_args["kernels"] = cfg["kernels"]
     try:
-        config = GPTConfig(**ckpt["model_args"])
+        config = GPTConfig(**model_args)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"the checkpoint's model_args do not make a model here ({e}); "
                           f"sample it with the code version that trained it") from None
-    model = raw_model = GPT(config)
+    model = GPT(config)
     model.load_state_dict(ckpt["model"])  # MoD checkpoints carry their thresholds (mod.tau) as a buffer
     model.eval().to(device)
-    if cfg["compile"]:
-        model = torch.compile(model)
     encode, decode = load_codec(ckpt)
 
     start = cfg["start"]
@@ -103,9 +112,9 @@ def main(argv):
     executed, processed = [0.0] * config.n_sublayers, 0  # tokens run per sublayer; tokens processed
     with torch.no_grad(), autocast:
         for _ in range(cfg["num_samples"]):
-            y = raw_model.generate(x, cfg["max_new_tokens"], temperature=cfg["temperature"], top_k=cfg["top_k"],
+            y = model.generate(x, cfg["max_new_tokens"], temperature=cfg["temperature"], top_k=cfg["top_k"],
                                    kv_cache=cfg["kv_cache"])
-            stats = raw_model.generate_stats
+            stats = model.generate_stats
             executed = [a + float(b) for a, b in zip(executed, stats["executed"])]
             processed += stats["tokens"]
             n_new += y.size(1) - x.size(1)

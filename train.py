@@ -37,6 +37,7 @@ from model import GPT, GPTConfig, SkipMiddle
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 EVAL_SEED = 12345  # evals use the same batches every time, in every run: losses are comparable
+WARMUP_CAP = 0.1  # with max_flops, warmup_iters is at most this fraction of the budget's iterations (rounded up)
 
 # -----------------------------------------------------------------------------
 # every key a config file or --key=value may set; model keys come from GPTConfig
@@ -107,8 +108,8 @@ def find_data(cfg, master):
             print(f"no data in {ddir}: preparing shakespeare_char")
             from data.shakespeare_char.prepare import prepare
             prepare(out_dir=ddir)
-        if dist.is_initialized():
-            dist.barrier()
+    if dist.is_initialized():  # every rank, whatever it saw: rank 0 may be preparing the data
+        dist.barrier()
     return paths, dataset_vocab_size(ddir)
 
 
@@ -185,16 +186,20 @@ def load_checkpoint(path, device):
     return ckpt
 
 
+RUN_KEYS = ("dropout", "kernels")  # GPTConfig keys that are run settings, not architecture: resume takes them
+
+
 def resolve_model_args(cfg, ckpt_args):
     """On resume the architecture comes from the checkpoint; a key the user explicitly changed to
-    something else is an error rather than silently ignored."""
+    something else is an error rather than silently ignored. RUN_KEYS (dropout, kernels) come from
+    this run's configuration instead (compile is not a model key: it is always this run's)."""
     args = {}
     for k in MODEL_KEYS:
         saved = ckpt_args.get(k, DEFAULTS[k])
-        if cfg[k] != DEFAULTS[k] and cfg[k] != saved and k != "dropout":
+        if cfg[k] != DEFAULTS[k] and cfg[k] != saved and k not in RUN_KEYS:
             raise ConfigError(f"the checkpoint was trained with {k}={saved!r}, not {cfg[k]!r}; "
                               f"drop --{k} or use another out_dir")
-        args[k] = cfg[k] if k == "dropout" else saved
+        args[k] = cfg[k] if k in RUN_KEYS else saved
     return args
 
 
@@ -315,10 +320,13 @@ def train_step(model, raw_model, optimizer, scaler, batches, stats, accum, autoc
     """One optimizer step over `accum` micro-batches from `batches`; returns the last micro-step's loss
     (a device tensor, divided by accum). A non-finite gradient norm (a NaN/inf loss too: its gradients
     are NaN) skips the step on the device: fused AdamW gets found_inf, skip_middle's controller keeps
-    lam and mu, and stats counts it. Gradients are all-reduced before the norm, so every DDP rank
-    skips the same steps. With fp16 this check covers the scaler's own (the same infs); update()
-    still lowers the scale after a bad step."""
+    lam and mu. Gradients are all-reduced before the norm, so every DDP rank skips the same steps.
+    stats counts a skipped step as bad, except with fp16 (the grad scaler on): there a finite loss
+    whose scaled gradients overflowed is the scaler's normal business (update() lowers the scale; not
+    counted, not printed), and only a non-finite loss in any micro-step (on any DDP rank: one tiny
+    all_reduce per step, on the device) is a bad step."""
     ddp = isinstance(model, DDP)
+    loss_bad = None  # fp16: whether any micro-step's loss was non-finite (a 0-d device tensor)
     for micro in range(accum):
         X, Y = next(batches)
         sync = contextlib.nullcontext() if (not ddp or micro == accum - 1) else model.no_sync()
@@ -327,6 +335,9 @@ def train_step(model, raw_model, optimizer, scaler, batches, stats, accum, autoc
                 _, loss = model(X, Y)
                 loss = loss / accum
             scaler.scale(loss).backward()
+        if scaler.is_enabled():
+            flag = (~torch.isfinite(loss.detach())).float()
+            loss_bad = flag if loss_bad is None else torch.maximum(loss_bad, flag)
         stats.micro_step(raw_model.last_executed, raw_model.last_tokens)
     scaler.unscale_(optimizer)  # a no-op without fp16; the norm below must be of the true gradients
     params = [p for p in model.parameters() if p.grad is not None]
@@ -347,8 +358,38 @@ def train_step(model, raw_model, optimizer, scaler, batches, stats, accum, autoc
         c.copy_(torch.where(found_inf > 0, old, c))
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    stats.step(found_inf)
+    if loss_bad is not None and ddp:
+        dist.all_reduce(loss_bad, op=dist.ReduceOp.MAX)  # every rank counts the same bad steps
+    stats.step(found_inf if loss_bad is None else loss_bad)
     return loss.detach()
+
+
+# -----------------------------------------------------------------------------
+# the progress line
+
+def format_duration(seconds):
+    """45s, 3m12s, 2h05m."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def log_line(iter_num, max_iters, loss, dt, tokens_per_iter, utilisation, lr, eta):
+    """'iter 40/5000: loss 2.1234, 31.20 ms/iter, 65,641 tok/s, mfu 41.2%, lr 6.00e-04, eta 2m35s'; dt (the
+    mean seconds per iteration since the last sync point) and eta are None when no timed step ran yet,
+    utilisation (MFU) when it is unknown (a device without a peak in flops.py, the CPU included)."""
+    parts = [f"iter {iter_num}/{max_iters}: loss {loss:.4f}"]
+    if dt:
+        parts += [f"{dt * 1000:.2f} ms/iter", f"{tokens_per_iter / dt:,.0f} tok/s"]
+    if utilisation is not None:
+        parts.append(f"mfu {100 * utilisation:.1f}%")
+    parts.append(f"lr {lr:.2e}")
+    if eta is not None:
+        parts.append(f"eta {format_duration(eta)}")
+    return ", ".join(parts)
 
 
 # -----------------------------------------------------------------------------
@@ -457,8 +498,16 @@ def main(argv):
         follows = lr_decay_iters == cfg["max_iters"]
         cfg["max_iters"] = iterations_for_budget(cfg["max_flops"], flops_per_token, tokens_per_iter)
         lr_decay_iters = cfg["max_iters"] if follows else lr_decay_iters
+        # a budget shorter than the configured warm-up would never reach the peak LR: cap the warm-up
+        # at WARMUP_CAP of the budget's iterations (only ever lowered)
+        warmup_cap = math.ceil(WARMUP_CAP * cfg["max_iters"])
+        capped = cfg["warmup_iters"] > warmup_cap
+        cfg["warmup_iters"] = min(cfg["warmup_iters"], warmup_cap)
         if master:
-            print(f"max_flops {cfg['max_flops']:.3g} at {flops_per_token:,.0f} FLOPs/token: {cfg['max_iters']:,} iters"
+            print(f"max_flops {cfg['max_flops']:.3g} at {flops_per_token:,.0f} FLOPs/token: "
+                  f"{cfg['max_iters']:,} iters, warmup_iters {cfg['warmup_iters']:,}"
+                  + (f" (capped at {WARMUP_CAP:.0%} of the iters)" if capped else "")
+                  + f", lr_decay_iters {lr_decay_iters:,}"
                   + (" (skip_middle: counted dense, an upper bound; log.jsonl has the realised FLOPs)"
                      if gptconf.mod == "skip_middle" else ""))
     if flops_base is None:
@@ -546,6 +595,9 @@ def main(argv):
     start_iter = iter_num
     train_time, iters_since = 0.0, 0  # training time and iterations since the last eval
     t_last, log_iters = time.time(), 0  # the last sync point (log, eval) and the iterations since
+    flops_mark = 0.0  # stats.flops (this rank's) at the last sync point: the log line's MFU
+    eval_s = 0.0  # how long the last eval (and its checkpoint) took: the ETA allows for the evals to come
+    first_compiled = cfg["compile"]  # the first step compiles: it is timed alone, outside ms/iter and tok/s
     micro_tokens = cfg["batch_size"] * cfg["block_size"]  # per rank and micro-step
     stats = StepStats(gptconf, micro_tokens, device)  # bad steps, MoD executed tokens: read at log/eval
     flops_last = flops_base  # the run's training FLOPs at the last eval
@@ -562,6 +614,7 @@ def main(argv):
             train_time += time.time() - t_last if iters_since else 0.0
             rngs, flops = all_rng_states(), flops_so_far()
             if master:
+                t_eval = time.time()
                 losses = estimate_loss()
                 ms = 1000 * train_time / max(iters_since, 1)
                 record = {"iter": iter_num, "tokens": iter_num * tokens_per_iter,
@@ -592,11 +645,12 @@ def main(argv):
                     f.write(json.dumps(record) + "\n")
                 improved = losses["val"] < best_val_loss
                 best_val_loss = min(best_val_loss, losses["val"])
-                if iter_num > 0 and (improved or cfg["always_save_checkpoint"]):
-                    save(rngs, flops)
+                if iter_num > 0 and not cfg["eval_only"] and (improved or cfg["always_save_checkpoint"]):
+                    save(rngs, flops)  # eval_only trains nothing: the checkpoint it read stays as it was
+                eval_s = time.time() - t_eval
             train_time, iters_since = 0.0, 0
             flops_last, stats.exec_sum, stats.exec_n = flops, None, 0
-            t_last, log_iters = time.time(), 0
+            t_last, log_iters, flops_mark = time.time(), 0, stats.flops
         if iter_num >= cfg["max_iters"] or cfg["eval_only"]:
             break
 
@@ -634,18 +688,33 @@ def main(argv):
                               f"checkpoint in {ckpt_path}. Resume with: "
                               f"{resume_command(argv, cfg['out_dir'], world)}" if master else "", signum)
 
+        t_step = time.time()
         loss = train_step(model, raw_model, optimizer, scaler, batches, stats, accum=accum, autocast=autocast,
                           grad_clip=cfg["grad_clip"])
-        iters_since += 1
-        log_iters += 1
+        if first_compiled:  # a sync point of its own, once: the compilation is not training time
+            first_compiled = False
+            read_stats(iter_num)  # waits for the step
+            t_last, flops_mark = time.time(), stats.flops
+            if master:
+                print(f"first step {t_last - t_step:.1f}s (compilation): kept out of ms/iter, tok/s and the ETA")
+        else:
+            iters_since += 1
+            log_iters += 1
         if iter_num % cfg["log_interval"] == 0:  # a sync point: counters and the loss come to the host
             read_stats(iter_num)
             t_now = time.time()
-            dt = (t_now - t_last) / log_iters  # the mean since the last sync point: steps run ahead of the GPU
-            train_time, t_last, log_iters = train_time + (t_now - t_last), t_now, 0
+            dt = (t_now - t_last) / log_iters if log_iters else None  # the mean since the last sync point
+            # MFU from the FLOPs these iterations really did (MoD: their executed fractions)
+            utilisation = (mfu((stats.flops - flops_mark) / (log_iters * accum * micro_tokens), tokens_per_iter / dt,
+                               gpu_name, world) if dt else None)
+            train_time, t_last, log_iters, flops_mark = train_time + (t_now - t_last), t_now, 0, stats.flops
             if master:
-                print(f"iter {iter_num}: loss {loss.item() * accum:.4f}, time {dt * 1000:.2f}ms, lr {lr:.2e}, "
-                      f"{tokens_per_iter / dt:,.0f} tok/s")
+                left = cfg["max_iters"] - iter_num - 1
+                evals_left = (cfg["max_iters"] // cfg["eval_interval"] - iter_num // cfg["eval_interval"]
+                              + (cfg["max_iters"] % cfg["eval_interval"] != 0))
+                eta = left * dt + evals_left * eval_s if dt else None
+                print(log_line(iter_num, cfg["max_iters"], loss.item() * accum, dt, tokens_per_iter, utilisation,
+                               lr, eta))
         iter_num += 1
 
     stop.restore()

@@ -80,7 +80,7 @@ def signal_after_iter_2(cmd, signum):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     p = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     for line in p.stdout:
-        if line.startswith("iter 2:"):
+        if line.startswith("iter 2/"):
             break
     p.send_signal(signum)
     stdout, stderr = p.communicate(timeout=120)
@@ -188,10 +188,24 @@ def test_kill_9_mid_save_leaves_the_previous_checkpoint(tmp_path):
 # -----------------------------------------------------------------------------
 # non-finite loss: the step is skipped; max_bad_steps in a row stop the run
 
+class Overflow(torch.autograd.Function):
+    """The identity forward; backward makes every gradient inf: an fp16 overflow in the backward of a
+    finite loss, exactly what the grad scaler's found_inf is for."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
 @pytest.fixture
 def nan_at(monkeypatch):
-    """nan_at(iters): the training loss is NaN at those iterations (evals are untouched)."""
-    def install(bad_iters):
+    """nan_at(iters, overflow=False): the training loss is NaN at those iterations (evals are untouched);
+    with overflow, the loss stays finite and its gradients are inf instead."""
+    def install(bad_iters, overflow=False):
         current, batches = {}, train.train_batches
 
         def tracked(path, batch_size, block_size, seed, iter_num, first_micro, accum, device):
@@ -205,7 +219,7 @@ def nan_at(monkeypatch):
         def poisoned(self, idx, targets=None):
             logits, loss = forward(self, idx, targets)
             if self.training and current.get("it") in bad_iters:
-                loss = loss * float("nan")
+                loss = Overflow.apply(loss) if overflow else loss * float("nan")
             return logits, loss
         monkeypatch.setattr(GPT, "forward", poisoned)
     return install
@@ -226,13 +240,33 @@ def test_nan_step_is_not_applied(data_dir, tmp_path, in_process, nan_at):
 
 
 def test_fp16_bad_step_is_counted_once(data_dir, tmp_path, in_process, nan_at, capsys):
-    """With fp16 the grad scaler and our check see the same inf: one skipped step, one scale back-off."""
+    """With fp16 a NaN loss is still a bad step: skipped, counted once, and the scale backs off once."""
     out = tmp_path / "out"
     nan_at({3})
     in_process(tiny_args(data_dir, out, dtype="float16", max_iters=4, max_bad_steps=2))
     assert capsys.readouterr().out.count("1 step(s) skipped since the last log (1 in a row") == 1
     scaler = load_ckpt(out)["scaler"]
     assert scaler["scale"] == 2.0 ** 16 * scaler["backoff_factor"]  # halved once from the initial 2^16
+
+
+def test_fp16_overflow_is_the_scalers_business(data_dir, tmp_path, in_process, nan_at, capsys):
+    """With fp16 a finite loss whose gradients overflow is a normal grad-scaler skip: the step changes
+    nothing and the scale backs off, but it is neither printed nor counted (max_bad_steps=1 would stop
+    the run at the first bad step)."""
+    clean = tmp_path / "clean"
+    in_process(tiny_args(data_dir, clean, dtype="float16", max_iters=3))  # iterations 0, 1, 2
+    capsys.readouterr()
+    out = tmp_path / "out"
+    nan_at({3}, overflow=True)
+    in_process(tiny_args(data_dir, out, dtype="float16", max_iters=4, max_bad_steps=1))  # and an overflowing 3
+    assert "skipped" not in capsys.readouterr().out
+    a, b = load_ckpt(clean), load_ckpt(out)
+    assert b["iter_num"] == 4
+    assert b["scaler"]["scale"] == 2.0 ** 16 * b["scaler"]["backoff_factor"]  # the scaler saw it: halved once
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k  # the step was skipped: it changed nothing
+    for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 @pytest.mark.parametrize("max_bad_steps, stop_iter, ckpt_iter", [(0, 3, 2), (3, 5, 4)])

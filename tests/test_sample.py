@@ -10,6 +10,7 @@ import torch
 
 import sample
 import train
+from configurator import ConfigError
 from model import GPT, GPTConfig
 from tiny_checkpoint import make_checkpoint
 
@@ -69,3 +70,22 @@ def test_dense_checkpoint_prints_no_skip_rates(data_dir, tmp_path, capsys):
     make_checkpoint(tmp_path / "dense", data_dir, steps=2, residual="prenorm")
     out = run_sample(tmp_path / "dense", capsys, "--num_samples=1")
     assert "tokens/s" in out.err and "skip rate" not in out.err
+
+
+def test_kernels_is_a_run_setting(mod_ckpt, capsys, monkeypatch):
+    """--kernels overrides the checkpoint's (here torch's references for the default auto): same text."""
+    made = []
+    monkeypatch.setattr(sample, "GPT", lambda config: made.append(config) or GPT(config))
+    default = run_sample(mod_ckpt, capsys, "--temperature=0")
+    torch_refs = run_sample(mod_ckpt, capsys, "--temperature=0", "--kernels=torch")
+    assert [c.kernels for c in made] == ["auto", "torch"]
+    assert torch_refs.out == default.out
+    with pytest.raises(ConfigError, match=r"unknown kernels 'cuda'; valid: auto, torch, triton"):
+        run_sample(mod_ckpt, capsys, "--kernels=cuda")
+
+
+def test_compile_is_refused_with_a_clear_error(mod_ckpt, capsys):
+    """--compile=True used to compile a module that generation never ran: old command lines get an error."""
+    with pytest.raises(ConfigError, match="no longer takes --compile=True.*drop --compile"):
+        run_sample(mod_ckpt, capsys, "--compile=True")
+    assert "tokens/s" in run_sample(mod_ckpt, capsys, "--compile=False").err

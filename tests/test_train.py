@@ -8,9 +8,11 @@ import json
 import math
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -531,3 +533,121 @@ def test_ddp_skip_middle_controller_sees_the_same_statistics(tmp_path):
         torch.testing.assert_close(g["gate_var"], pooled.var(1, unbiased=False))
         for k in ("lam", "mu"):
             assert torch.equal(g[k], got[0][k]) and g[k].abs().max() > 0, k
+
+
+# -----------------------------------------------------------------------------
+# 9. training as nanoGPT users expect it (issue 17): the progress line, compile warm-up, max_flops'
+# warm-up, run settings on resume, eval_only
+
+LOG_LINE = re.compile(r"^iter (\d+)/(\d+): loss (\d+\.\d{4}), (\d+\.\d\d) ms/iter, ([\d,]+) tok/s, (?:mfu ([\d.]+)%, )?"
+                      r"lr (\d\.\d\de-\d\d), eta (\d+s|\d+m\d\ds|\d+h\d\dm)$", re.M)
+
+
+def eta_seconds(text):
+    m = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", text)
+    h, mi, s = (int(x or 0) for x in m.groups())
+    return 3600 * h + 60 * mi + s
+
+
+def test_progress_line(data_dir, tmp_path, in_process, monkeypatch, capsys):
+    """Every log_interval: iter i/max_iters, loss, ms/iter, tok/s, MFU once known (None on CPU: not
+    printed; here a stand-in peak) from the FLOPs the steps did, and an ETA of at least the iterations
+    left at the measured ms/iter."""
+    in_process(tiny_args(data_dir, tmp_path / "cpu"))
+    lines = LOG_LINE.findall(capsys.readouterr().out)
+    assert [(int(m[0]), int(m[1])) for m in lines] == [(i, 8) for i in range(8)]
+    tpi = tokens_per_iter(tiny_args(data_dir, tmp_path))
+    for i, _, loss, ms, tok_s, mfu, lr, eta in lines:
+        assert math.isfinite(float(loss)) and mfu == ""  # CPU: MFU unknown, so not printed
+        assert int(tok_s.replace(",", "")) == pytest.approx(tpi / (float(ms) / 1000), rel=0.01, abs=1)
+        assert eta_seconds(eta) >= (8 - int(i) - 1) * float(ms) / 1000 - 0.5
+
+    seen = []
+    monkeypatch.setattr(train, "mfu", lambda fpt, tok_s, name, n: seen.append(fpt) or 0.412)
+    in_process(tiny_args(data_dir, tmp_path / "mfu", max_iters=2))
+    assert [m[5] for m in LOG_LINE.findall(capsys.readouterr().out)] == ["41.2", "41.2"]
+    config = GPTConfig(vocab_size=65, n_layer=2, n_head=2, n_embd=32, block_size=32)
+    assert seen and all(x == pytest.approx(flops.train_flops_per_token(config)) for x in seen)
+
+
+def test_log_line_and_durations():
+    assert train.log_line(40, 5000, 2.12345, 0.0312, 2048, 0.41234, 6e-4, 155.4) == \
+        "iter 40/5000: loss 2.1235, 31.20 ms/iter, 65,641 tok/s, mfu 41.2%, lr 6.00e-04, eta 2m35s"
+    assert train.log_line(0, 10, 4.0, None, 2048, None, 1e-3, None) == "iter 0/10: loss 4.0000, lr 1.00e-03"
+    assert [train.format_duration(s) for s in (0, 44.6, 60, 192, 3599, 3600, 7530)] == \
+        ["0s", "45s", "1m00s", "3m12s", "59m59s", "1h00m", "2h05m"]
+
+
+class SlowFirstCall(torch.nn.Module):
+    """A stand-in for torch.compile's module whose first training forward takes 2 s (compiling)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner, self.compiled = model, False
+
+    def forward(self, *args):
+        if self.training and not self.compiled:
+            self.compiled = True
+            time.sleep(2.0)
+        return self.inner(*args)
+
+
+def test_compile_warm_up_is_reported_once_and_kept_out_of_the_timings(data_dir, tmp_path, in_process,
+                                                                       monkeypatch, capsys):
+    monkeypatch.setattr(torch, "compile", lambda model: SlowFirstCall(model))
+    in_process(tiny_args(data_dir, tmp_path / "out", max_iters=4, compile=True))
+    out = capsys.readouterr().out
+    (first,) = re.findall(r"^first step ([\d.]+)s \(compilation\)", out, re.M)
+    assert float(first) >= 2.0
+    lines = LOG_LINE.findall(out)
+    assert [int(m[0]) for m in lines] == [1, 2, 3]  # iteration 0 was the compiling step: no timing yet
+    assert re.search(r"^iter 0/4: loss \d+\.\d{4}, lr [\d.e-]+$", out, re.M)
+    assert all(float(m[3]) < 1000 for m in lines)
+    log = read_log(tmp_path / "out")
+    assert [r["iter"] for r in log] == [0, 2, 4]
+    assert all(r["ms_per_iter"] < 1000 for r in log)  # without the 2 s: 2 s / 2 iterations at least
+
+
+def test_max_flops_caps_the_warmup(data_dir, tmp_path, in_process, capsys):
+    """A budget of 10 iterations with warmup_iters=100: the warm-up is capped at 10% of them (1), so the
+    run reaches the peak LR and decays to min_lr at the end."""
+    config = GPTConfig(vocab_size=65, n_layer=2, n_head=2, n_embd=32, block_size=32)
+    args = tiny_args(data_dir, tmp_path / "out", warmup_iters=100, lr_decay_iters=None, max_iters=1000)
+    budget = 10 * flops.train_flops_per_token(config) * tokens_per_iter(args)
+    in_process(args + [f"--max_flops={budget}"])
+    assert "10 iters, warmup_iters 1 (capped at 10% of the iters), lr_decay_iters 10" in capsys.readouterr().out
+    log = read_log(tmp_path / "out")
+    assert [r["iter"] for r in log] == [0, 2, 4, 6, 8, 10]
+    assert log[0]["lr"] == pytest.approx(1e-3 / 2)  # warm-up: lr * (it + 1) / (warmup_iters + 1)
+    assert log[1]["lr"] > 0.9e-3  # past the warm-up (uncapped: 3e-5)
+    assert log[-1]["lr"] == pytest.approx(1e-4)
+
+
+def test_resume_takes_kernels_as_a_run_setting(base_run, data_dir, tmp_path, in_process, capsys):
+    out = tmp_path / "out"
+    shutil.copytree(base_run, out)
+    assert load_ckpt(out)["model_args"]["kernels"] == "auto"
+    in_process(tiny_args(data_dir, out, init_from="resume", max_iters=10, lr_decay_iters=10, kernels="torch",
+                         compile=False))
+    assert "resuming from" in capsys.readouterr().out
+    assert load_ckpt(out)["iter_num"] == 10 and load_ckpt(out)["model_args"]["kernels"] == "torch"
+
+
+def test_eval_only_resume_keeps_the_checkpoint(base_run, data_dir, tmp_path, in_process):
+    out = tmp_path / "out"
+    shutil.copytree(base_run, out)
+    before, stat = (out / "ckpt.pt").read_bytes(), os.stat(out / "ckpt.pt")
+    in_process(tiny_args(data_dir, out, init_from="resume", eval_only=True))
+    assert (out / "ckpt.pt").read_bytes() == before and os.stat(out / "ckpt.pt").st_mtime_ns == stat.st_mtime_ns
+    assert [r["iter"] for r in read_log(out)] == [0, 2, 4, 6, 8, 8]  # the eval itself is logged
+
+
+def test_find_data_barrier_on_every_rank(data_dir, monkeypatch):
+    """Under DDP every rank enters find_data's barrier, also those that find the data already there."""
+    calls = []
+    monkeypatch.setattr(train.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(train.dist, "barrier", lambda: calls.append(1))
+    cfg = {"data_dir": str(data_dir), "dataset": "shakespeare_char"}
+    for master in (True, False):
+        train.find_data(cfg, master)
+    assert calls == [1, 1]
