@@ -126,7 +126,7 @@ def time_steps(configs, device, dtype, use_compile, reps, B, backend="inductor")
             torch.cuda.reset_peak_memory_stats()
         torch.manual_seed(0)
         model = GPT(config).to(device)
-        opt = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device.type)
+        opt = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95))
         step_model = torch.compile(model, backend=backend) if compiled else model
         x = torch.randint(0, config.vocab_size, (B, config.block_size), device=device)
 

@@ -785,7 +785,7 @@ class GPT(nn.Module):
                      **self.stream.stats(state, len(self.sublayers))})
         return rows
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+    def configure_optimizers(self, weight_decay, learning_rate, betas):
         # weight decay on matrices and embeddings (>= 2-D); none on norms, gains and scalars
         params = [p for p in self.parameters() if p.requires_grad]
         decay = [p for p in params if p.dim() >= 2]

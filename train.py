@@ -263,10 +263,11 @@ def average_gate_stats(mod, world):
 # the training step: nothing in it reads a value back to the host (that would wait for the GPU)
 
 def use_fused_adamw(optimizer):
-    """Fused AdamW on every device (CPU too, torch >= 2.4): it is the AdamW that skips a step on the
-    device, given found_inf (the flag GradScaler hands it), leaving parameters, moments and step counts
-    exactly as they were; the foreach path would need a host read to skip. Also after load_state_dict,
-    which brings back the flags (and step counters) a checkpoint was saved with."""
+    """Fused AdamW (configure_optimizers builds it on every device) is the AdamW that skips a step on
+    the device, given found_inf (the flag GradScaler hands it), leaving parameters, moments and step
+    counts exactly as they were; the foreach path would need a host read to skip. load_state_dict
+    brings back the flags a checkpoint was saved with (foreach, in checkpoints from before): this
+    makes the optimizer fused again, with its step counters where fused keeps them."""
     for group in optimizer.param_groups:
         group["foreach"], group["fused"] = False, True
         for p in group["params"]:
@@ -464,12 +465,13 @@ def main(argv):
         raise ConfigError(str(e)) from None
     model = GPT(gptconf).to(device)
     optimizer = model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"],
-                                           (cfg["beta1"], cfg["beta2"]), device.type)
+                                           (cfg["beta1"], cfg["beta2"]))
     scaler = torch.amp.GradScaler(device.type, enabled=cfg["dtype"] == "float16")
     iter_num, best_val_loss, flops_base = 0, float("inf"), None
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
+        use_fused_adamw(optimizer)
         if "scaler" in ckpt:
             scaler.load_state_dict(ckpt["scaler"])
         iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
@@ -482,7 +484,6 @@ def main(argv):
         if master:
             print(f"resuming from {ckpt_path} at iter {iter_num} (best val loss {best_val_loss:.4f})")
         del ckpt
-    use_fused_adamw(optimizer)
     raw_model = model
     if cfg["compile"]:
         if master:

@@ -507,7 +507,7 @@ def test_skip_middle_controller_moves_each_gate_mean_toward_its_target(tmp_path)
     model.mod.eta = 0.05  # the default 1e-3 is for thousands of steps
     target = model.mod.target
     torch.testing.assert_close(target, torch.tensor([1.0, 0.3]))
-    opt = model.configure_optimizers(0.0, 1e-2, (0.9, 0.95), "cpu")
+    opt = model.configure_optimizers(0.0, 1e-2, (0.9, 0.95))
     idx = torch.randint(0, 65, (4, 16))
     y = torch.roll(idx, -1, 1)
     for step in range(40):

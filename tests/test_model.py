@@ -33,7 +33,7 @@ def test_logits_cover_the_real_vocab_only():
 def test_overfits_one_batch():
     torch.manual_seed(0)
     model = GPT(tiny())
-    opt = model.configure_optimizers(0.0, 3e-3, (0.9, 0.99), "cpu")
+    opt = model.configure_optimizers(0.0, 3e-3, (0.9, 0.99))
     x = torch.randint(0, 65, (4, 32))
     y = torch.randint(0, 65, (4, 32))
     for _ in range(150):
@@ -101,7 +101,7 @@ def test_greedy_generate_picks_the_argmax():
 
 def test_weight_decay_only_on_matrices():
     model = GPT(tiny())
-    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])

@@ -262,7 +262,7 @@ def test_trains_and_every_parameter_gets_a_gradient(residual):
     init = {name: p.detach().clone() for name, p in model.named_parameters()}
     x = torch.randint(0, 65, (4, 16))
     y = torch.roll(x, -1, dims=1)
-    opt = model.configure_optimizers(0.0, 3e-3, (0.9, 0.99), "cpu")
+    opt = model.configure_optimizers(0.0, 3e-3, (0.9, 0.99))
     losses = []
     for _ in range(30):
         _, loss = model(x, y)
