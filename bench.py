@@ -14,7 +14,7 @@ model: one training step (forward, backward, AdamW) per mode at the GPT-2 124M s
 (12 layers, 768 wide, 12 heads, T = 1024, bf16, compiled), or at the quickstart shape on a CPU.
 mod: a training step of nag (mod=nag) and prenorm (mod=router) at mod_rate 0, 0.25 and 0.5, at the
 124M shape on a GPU or an 8-layer quickstart-width model on a CPU; the ratio to mod_rate 0 is the saving.
-compile (not part of "all": it compiles 15 models): each residual mode eager, compiled with the
+compile (not part of "all": it compiles 10 models): each residual mode eager, compiled with the
 kernels' plain-PyTorch references (kernels=torch, which inductor fuses) and compiled with the kernels
 as custom ops (kernels=triton: on a GPU the Triton kernels; on a CPU the ops run their reference);
 step time, peak memory (GPU) and the bytes saved for backward, as ratios to prenorm. --backend picks

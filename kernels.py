@@ -695,8 +695,13 @@ def depth_scores(sources, query, norm_weight, eps=1e-6):
 
 def depth_attention_torch(sources, query, norm_weight, eps=1e-6):
     """The reference: scores, softmax over depth, and the weighted sum of the raw sources."""
-    sources = _source_list(sources)
-    if not torch.is_grad_enabled():  # no autograd.Function without grad (Dynamo mis-binds its varargs there)
+    return _depth_attention_reference(_source_list(sources), query, norm_weight, eps)
+
+
+def _depth_attention_reference(sources, query, norm_weight, eps):
+    if not torch.is_grad_enabled():
+        # nothing to save for a backward: the plain forward (Dynamo also failed to trace the
+        # autograd.Function in the model's compiled no-grad eval; test_compiled_eval_equals_eager)
         return depth_attention_fwd_torch(sources, query, norm_weight, eps)[0]
     return DepthAttentionTorch.apply(query, norm_weight, eps, *sources)
 
@@ -708,7 +713,7 @@ def depth_attention(sources, query, norm_weight, eps=1e-6, impl="auto"):
     sources = _source_list(sources)
     if use_triton(impl, sources[0]):
         return depth_attention_op(sources, query, norm_weight, eps)[0]
-    return depth_attention_torch(sources, query, norm_weight, eps)
+    return _depth_attention_reference(sources, query, norm_weight, eps)
 
 
 # -----------------------------------------------------------------------------

@@ -113,7 +113,7 @@ def main(argv):
     with torch.no_grad(), autocast:
         for _ in range(cfg["num_samples"]):
             y = model.generate(x, cfg["max_new_tokens"], temperature=cfg["temperature"], top_k=cfg["top_k"],
-                                   kv_cache=cfg["kv_cache"])
+                               kv_cache=cfg["kv_cache"])
             stats = model.generate_stats
             executed = [a + float(b) for a, b in zip(executed, stats["executed"])]
             processed += stats["tokens"]
