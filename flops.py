@@ -33,6 +33,7 @@ Training = 3 x forward (backward = 2 x forward).
 """
 
 import csv
+import math
 import os
 import re
 import subprocess
@@ -201,28 +202,62 @@ def breakdown(argv):
 
 
 # -----------------------------------------------------------------------------
-# iso-FLOP sweeps: train.py runs one after another, each in out_root/sweep_name/<run>
+# iso-FLOP sweeps: train.py runs, jobs at a time, each in out_root/sweep_name/<run>
 
 SWEEP_DEFAULTS = dict(
     sweep_name="sweep",
     out_root="out",
     train_config="config/shakespeare_char_cpu.py",  # every run starts from this train.py config
     train_args=[],  # and these --key=value, then the sweep's own
-    budget=1e14,  # training FLOPs per run
+    budget=1e14,  # training FLOPs per run (train.py --max_flops; a run's own max_flops wins)
     depths=[2, 4, 8],
-    residuals=["prenorm", "nag", "block_attnres"],
+    residuals=["prenorm", "nag", "block_attnres"],  # a dense run per residual and depth
     mod_runs=[],  # extra (residual, mod, mod_rate) runs at every depth, e.g. ("nag", "nag", 0.25)
+    runs=[],  # extra cells, each (name, {train.py key: value}), e.g. ("nag_L16_sqrt_d", {"residual": "nag",
+    #           "n_layer": 16, "nag_head": "sqrt_d"}): ablations and shapes the grid above does not make
+    seeds=[],  # [] one run per cell with the train config's seed; [1, 2, 3] one run per seed, <cell>_s<seed>
+    jobs=1,  # train.py processes at a time (on CPU with OMP_NUM_THREADS=1: one per core)
 )
-FIELDS = ["run", "residual", "n_layer", "mod", "mod_rate", "status", "iters", "tokens", "flops",
-          "params", "train_flops_per_token", "val_loss", "best_val_loss", "seconds"]
+FIELDS = ["run", "cell", "seed", "residual", "n_layer", "mod", "mod_rate", "args", "status", "iters", "tokens",
+          "flops", "params", "train_flops_per_token", "exec_train", "exec_eval", "eval_flops_per_token", "val_loss",
+          "best_val_loss", "seconds"]
+GRID_KEYS = ("residual", "n_layer", "mod", "mod_rate", "seed")  # own columns; a cell's other keys go in `args`
+HERE = os.path.dirname(os.path.abspath(__file__))  # train.py runs here
+
+
+def sweep_cells(sw):
+    """(cell name, {train.py key: value}) of every cell: the dense grid, each mod_run at every depth,
+    then the named runs."""
+    cells = [(f"{r}_L{L}", {"residual": r, "n_layer": L}) for r in sw["residuals"] for L in sw["depths"]]
+    for r, mod, rate in sw["mod_runs"]:
+        cells += [(f"{r}_L{L}_{mod}{rate}", {"residual": r, "n_layer": L, "mod": mod, "mod_rate": rate})
+                  for L in sw["depths"]]
+    for item in sw["runs"]:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], dict)):
+            raise ConfigError(f"each entry of runs must be (name, {{key: value}}), got {item!r}")
+        cells.append(item)
+    names = [name for name, _ in cells]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"two cells share a name in {names}: give each run in `runs` its own name")
+    return cells
 
 
 def sweep_runs(sw):
-    """(name, residual, depth, mod, mod_rate) of every run: the dense runs, then each mod_run at every depth."""
-    runs = [(f"{r}_L{L}", r, L, None, 0.0) for r in sw["residuals"] for L in sw["depths"]]
-    for r, mod, rate in sw["mod_runs"]:
-        runs += [(f"{r}_L{L}_{mod}{rate}", r, L, mod, rate) for L in sw["depths"]]
+    """Every run as (run name, cell name, overrides): each cell once per seed."""
+    if any(isinstance(s, bool) or not isinstance(s, int) for s in sw["seeds"]) or len(set(sw["seeds"])) < len(sw["seeds"]):
+        raise ConfigError(f"seeds must be distinct integers such as [1, 2, 3], got {sw['seeds']!r}")
+    runs = []
+    for cell, overrides in sweep_cells(sw):
+        if sw["seeds"]:
+            runs += [(f"{cell}_s{s}", cell, {**overrides, "seed": s}) for s in sw["seeds"]]
+        else:
+            runs.append((cell, cell, dict(overrides)))
     return runs
+
+
+def override_args(overrides):
+    """train.py's --key=value for a run's overrides (repr: the configurator reads them back exactly)."""
+    return [f"--{k}={v!r}" for k, v in overrides.items()]
 
 
 def run_result(out_dir):
@@ -234,115 +269,210 @@ def run_result(out_dir):
     with open(os.path.join(out_dir, "done")) as f:
         seconds = float(f.read().strip() or "nan")
     row = {"status": "done", "iters": last["iter"], "tokens": last["tokens"], "flops": last.get("flops"),
-           "val_loss": last["val_loss"], "best_val_loss": min(r["val_loss"] for r in recs), "seconds": seconds}
+           "val_loss": last["val_loss"], "best_val_loss": min(r["val_loss"] for r in recs), "seconds": seconds,
+           "exec_train": last.get("exec_train"), "exec_eval": last.get("exec_eval")}
     if row["flops"] and row["tokens"]:  # realised: train.py counts MoD runs from their executed fractions
         row["train_flops_per_token"] = row["flops"] / row["tokens"]
     return row
 
 
+def run_row(run, cfg, out_dir, status):
+    """A run's row: what its log says when it finished, else `status`; plus the counts from its config."""
+    name, cell, overrides = run
+    row = {"run": name, "cell": cell, "seed": cfg["seed"], "residual": cfg["residual"], "n_layer": cfg["n_layer"],
+           "mod": "" if cfg["mod"] == "none" else cfg["mod"], "mod_rate": cfg["mod_rate"] if cfg["mod"] != "none" else 0.0,
+           "args": " ".join(override_args({k: v for k, v in overrides.items() if k not in GRID_KEYS})),
+           **(run_result(out_dir) or {"status": status})}
+    try:  # train.py prepares the data (and so the vocab) the first time
+        config = model_config(cfg)
+    except (ConfigError, ValueError):
+        return row  # train.py reports the error itself, and the run is recorded as failed
+    row["params"] = count_params(config)[1]
+    row.setdefault("train_flops_per_token", train_flops_per_token(config))  # not run: the analytic count
+    if config.mod == "none" or row.get("exec_eval"):  # the last eval's routing (a MoD run's last val batch)
+        row["eval_flops_per_token"] = sum(forward_flops(config, row.get("exec_eval")).values())
+    for k in ("exec_train", "exec_eval"):  # the mean over sublayers
+        row[k] = sum(row[k]) / len(row[k]) if row.get(k) else (1.0 if config.mod == "none" else None)
+    return row
+
+
 def run_sweep(argv):
     sw = configure(argv, SWEEP_DEFAULTS)
-    root = os.path.abspath(os.path.join(sw["out_root"], sw["sweep_name"]))  # train.py runs in the repo dir
-    os.makedirs(root, exist_ok=True)
+    if isinstance(sw["jobs"], bool) or not isinstance(sw["jobs"], int) or sw["jobs"] < 1:
+        raise ConfigError(f"jobs must be a positive integer (train.py processes at a time), got {sw['jobs']!r}")
+    root = os.path.abspath(os.path.join(sw["out_root"], sw["sweep_name"]))
     runs = sweep_runs(sw)
-    base = train_config([sw["train_config"], *sw["train_args"]])
-    rows, t0, executed, spent = [], time.time(), 0, 0.0
-    for i, (name, residual, depth, mod, rate) in enumerate(runs, 1):
-        out_dir = os.path.join(root, name)
-        row = {"run": name, "residual": residual, "n_layer": depth, "mod": mod or "", "mod_rate": rate}
-        result = run_result(out_dir)
-        if result is None:
+    base_argv = [os.path.abspath(sw["train_config"]), *sw["train_args"]]
+    cwd = os.getcwd()
+    os.chdir(HERE)  # relative paths in the train config (data_dir) are train.py's, from the repo
+    try:
+        cfgs = {name: train_config([*base_argv, *override_args(ov)]) for name, _, ov in runs}  # bad keys fail now
+        run_config.find_data(next(iter(cfgs.values())))  # prepared once, before jobs could race to do it
+        return _sweep(sw, root, runs, base_argv, cfgs)
+    finally:
+        os.chdir(cwd)
+
+
+def _sweep(sw, root, runs, base_argv, cfgs):
+    os.makedirs(root, exist_ok=True)
+    status = {name: "pending" for name, _, _ in runs}
+    todo = []
+    for i, run in enumerate(runs, 1):
+        if run_result(os.path.join(root, run[0])) is None:
+            todo.append(run)
+        else:
+            status[run[0]] = "done"
+            print(f"[{i}/{len(runs)}] {run[0]}: already finished, skipped", flush=True)
+    t0, spent, finished, running = time.time(), 0.0, 0, {}
+    while todo or running:
+        while todo and len(running) < sw["jobs"]:
+            name, _, overrides = run = todo.pop(0)
+            out_dir = os.path.join(root, name)
             # a killed run left a checkpoint: continue it rather than start over
             resume = os.path.exists(os.path.join(out_dir, "ckpt.pt"))
-            cmd = [sys.executable, "train.py", os.path.abspath(sw["train_config"]), *sw["train_args"],
-                   f"--out_dir={out_dir}", f"--residual={residual}", f"--n_layer={depth}",
-                   f"--max_flops={sw['budget']}",
-                   *([f"--mod={mod}", f"--mod_rate={rate}"] if mod else []),
-                   *(["--init_from=resume"] if resume else [])]
+            cmd = [sys.executable, "train.py", *base_argv, f"--out_dir={out_dir}", f"--max_flops={sw['budget']}",
+                   *override_args(overrides), *(["--init_from=resume"] if resume else [])]
             os.makedirs(out_dir, exist_ok=True)
-            t = time.time()
-            with open(os.path.join(out_dir, "stdout.txt"), "a") as log:
-                rc = subprocess.call(cmd, cwd=os.path.dirname(os.path.abspath(__file__)) or ".",
-                                     stdout=log, stderr=subprocess.STDOUT)
+            log = open(os.path.join(out_dir, "stdout.txt"), "a")
+            running[name] = (subprocess.Popen(cmd, cwd=HERE, stdout=log, stderr=subprocess.STDOUT), log, time.time())
+            status[name] = "running"
+        time.sleep(0.2)
+        for name, (proc, log, t) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            log.close()
+            del running[name]
             dt = time.time() - t
-            executed, spent = executed + 1, spent + dt
-            if rc == 0:
-                with open(os.path.join(out_dir, "done"), "w") as f:  # the marker that makes a rerun skip it
+            spent, finished = spent + dt, finished + 1
+            if proc.returncode == 0:
+                with open(os.path.join(root, name, "done"), "w") as f:  # the marker that makes a rerun skip it
                     f.write(f"{dt:.1f}\n")
-                result = run_result(out_dir)
-            else:
-                result = {"status": "failed", "seconds": round(dt, 1)}
-            what = f"{result['status']} in {dt:.0f}s"
-        else:
-            what = "already finished, skipped"
-        row.update(result)
-        try:  # after the run: train.py prepares the data (and so the vocab) the first time
-            config = model_config({**base, "residual": residual, "n_layer": depth,
-                                   **({"mod": mod, "mod_rate": rate} if mod else {})})
-            row["params"] = count_params(config)[1]
-            row.setdefault("train_flops_per_token", train_flops_per_token(config))  # not run: the analytic count
-        except ConfigError:
-            pass  # train.py reported the error itself, and the run is recorded as failed
-        rows.append(row)
-        # iso-FLOP: every run costs about the same, so the mean so far predicts the rest
-        eta = f"{spent / executed * (len(runs) - i) / 60:.1f} min" if executed else "unknown"
-        loss = f", val {row['val_loss']:.4f}" if row.get("val_loss") is not None else ""
-        print(f"[{i}/{len(runs)}] {name}: {what}{loss} | elapsed {(time.time() - t0) / 60:.1f} min, "
-              f"ETA {eta}", flush=True)
-    write_results(root, rows, sw["budget"])
-    return rows
+            status[name] = "done" if proc.returncode == 0 else "failed"
+            rows = write_results(root, runs, cfgs, status, sw["budget"])  # after every run: a kill loses none
+            row = next(r for r in rows if r["run"] == name)
+            loss = f", val {row['val_loss']:.4f}" if row.get("val_loss") is not None else ""
+            left = len(todo) + len(running)  # iso-FLOP: runs cost about the same, so the mean predicts the rest
+            eta = spent / finished * left / min(sw["jobs"], max(left, 1))
+            print(f"[{len(runs) - left}/{len(runs)}] {name}: {status[name]} in {dt:.0f}s{loss} | elapsed "
+                  f"{(time.time() - t0) / 60:.1f} min, ETA {eta / 60:.1f} min", flush=True)
+    return write_results(root, runs, cfgs, status, sw["budget"])
 
 
-def write_results(root, rows, budget):
-    """results.csv (every field), results.md (the table) and results.png (val loss vs depth and mod_rate)."""
+def mean_std(values):
+    """Mean and sample standard deviation (n - 1; None for a single value) of a list of numbers."""
+    n = len(values)
+    mean = sum(values) / n
+    return mean, (math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else None)
+
+
+def aggregate(rows):
+    """One entry per cell, over its finished runs (the seeds): counts, and mean and std of the losses."""
+    cells = {}
+    for r in rows:
+        cells.setdefault(r["cell"], []).append(r)
+    out = []
+    for cell, rs in cells.items():
+        done = [r for r in rs if r["status"] == "done"]
+        agg = {k: rs[0][k] for k in ("cell", "residual", "n_layer", "mod", "mod_rate", "args", "params")
+               if k in rs[0]}
+        agg.update(n=len(done), runs=len(rs), losses=[r["val_loss"] for r in done])
+        for k in ("val_loss", "best_val_loss", "iters", "train_flops_per_token", "eval_flops_per_token",
+                  "exec_train", "exec_eval", "seconds"):
+            vals = [r[k] for r in done if r.get(k) is not None]
+            agg[k], agg[k + "_std"] = mean_std(vals) if vals else (None, None)
+        out.append(agg)
+    return out
+
+
+def write_results(root, runs, cfgs, status, budget):
+    """results.csv (a row per run), results.md (mean ± std per cell, then every run) and results.png."""
+    rows = [run_row(run, cfgs[run[0]], os.path.join(root, run[0]), status[run[0]]) for run in runs]
     with open(os.path.join(root, "results.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, FIELDS)
         w.writeheader()
         for r in rows:
             w.writerow({k: r.get(k, "") for k in FIELDS})
-    lines = [f"iso-FLOP sweep at {budget:.3g} training FLOPs per run", "",
-             "| run | residual | layers | mod | mod_rate | status | iters | non-emb params | train FLOPs/token "
-             "| final val loss | best val loss | s |", "|" + "---|" * 12]
+    cells = aggregate(rows)
+    fmt = lambda v, spec: "-" if v in (None, "") else format(v, spec)  # noqa: E731
+    pm = lambda c, k: fmt(c[k], ".4f") + ("" if c[k + "_std"] is None else f" ± {c[k + '_std']:.4f}")  # noqa: E731
+    seeds = sorted({r["seed"] for r in rows})
+    lines = [f"iso-FLOP sweep at {budget:.3g} training FLOPs per run; seeds {', '.join(map(str, seeds))}. "
+             "Per cell: mean ± sample std (n - 1) over its finished runs; executed = the mean fraction of "
+             "tokens a sublayer ran (eval: the last eval's routing).", "",
+             "| cell | residual | layers | mod | mod_rate | args | runs done | iters | non-emb params "
+             "| train FLOPs/token | eval fwd FLOPs/token | executed (train / eval) | final val loss | best val loss "
+             "| s per run |", "|" + "---|" * 15]
+    for c in cells:
+        lines.append(f"| {c['cell']} | {c['residual']} | {c['n_layer']} | {c['mod'] or '-'} | {c['mod_rate']:g} "
+                     f"| {c['args'] or '-'} | {c['n']}/{c['runs']} | {fmt(c['iters'], ',.0f')} "
+                     f"| {fmt(c.get('params'), ',')} | {fmt(c['train_flops_per_token'], '.4g')} "
+                     f"| {fmt(c['eval_flops_per_token'], '.4g')} "
+                     f"| {fmt(c['exec_train'], '.3f')} / {fmt(c['exec_eval'], '.3f')} "
+                     f"| {pm(c, 'val_loss')} | {pm(c, 'best_val_loss')} | {fmt(c['seconds'], '.0f')} |")
+    lines += ["", "Every run:", "", "| run | seed | status | iters | final val loss | best val loss | s |",
+              "|" + "---|" * 7]
     for r in rows:
-        num = lambda k, spec: format(r[k], spec) if r.get(k) not in (None, "") else "-"  # noqa: E731
-        lines.append(f"| {r['run']} | {r['residual']} | {r['n_layer']} | {r['mod'] or '-'} | {r['mod_rate']:g} "
-                     f"| {r['status']} | {num('iters', ',')} | {num('params', ',')} "
-                     f"| {num('train_flops_per_token', '.3g')} | {num('val_loss', '.4f')} "
-                     f"| {num('best_val_loss', '.4f')} | {num('seconds', '.0f')} |")
+        lines.append(f"| {r['run']} | {r['seed']} | {r['status']} | {fmt(r.get('iters'), ',')} "
+                     f"| {fmt(r.get('val_loss'), '.4f')} | {fmt(r.get('best_val_loss'), '.4f')} "
+                     f"| {fmt(r.get('seconds'), '.0f')} |")
     with open(os.path.join(root, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    plot_results(rows, budget).savefig(os.path.join(root, "results.png"), dpi=120)
+    if any(c["n"] for c in cells):
+        plot_results(cells, budget).savefig(os.path.join(root, "results.png"), dpi=120)
+    return rows
 
 
-def plot_results(rows, budget):
+def plot_results(cells, budget):
+    """Final val loss, mean ± std over seeds (error bars) and each seed (dots): per cell; against depth
+    when the sweep has several; against mod_rate when it has MoD cells."""
     import matplotlib
     matplotlib.use("Agg")  # files only, so it runs on a headless box
     import matplotlib.pyplot as plt
-    done = [r for r in rows if r["status"] == "done"]
-    with_mod = any(r["mod"] for r in done)
-    fig, axes = plt.subplots(1, 2 if with_mod else 1, figsize=(11 if with_mod else 6, 4.2), squeeze=False)
-    ax = axes[0, 0]
-    for label in dict.fromkeys(r["residual"] + (f" + {r['mod']} {r['mod_rate']:g}" if r["mod"] else "") for r in done):
-        pts = sorted((r["n_layer"], r["val_loss"]) for r in done
-                     if r["residual"] + (f" + {r['mod']} {r['mod_rate']:g}" if r["mod"] else "") == label)
-        ax.plot(*zip(*pts), marker="o", label=label)
-    ax.set_xscale("log", base=2)  # depths usually double
-    depths = sorted({r["n_layer"] for r in done})
-    ax.set_xticks(depths, [str(L) for L in depths])
-    ax.set_xlabel("layers")
-    ax.set_ylabel("final val loss")
-    ax.set_title(f"val loss vs depth at {budget:.3g} FLOPs", fontsize=10)
-    if with_mod:  # the dense runs are mod_rate 0 of each residual
-        ax2 = axes[0, 1]
-        for residual, depth in dict.fromkeys((r["residual"], r["n_layer"]) for r in done if r["mod"]):
-            pts = sorted((r["mod_rate"], r["val_loss"]) for r in done
-                         if r["residual"] == residual and r["n_layer"] == depth)
-            ax2.plot(*zip(*pts), marker="o", label=f"{residual} L={depth}")
-        ax2.set_xlabel("mod_rate (fraction of sublayer tokens skipped)")
-        ax2.set_title("val loss vs mod_rate", fontsize=10)
+    done = [c for c in cells if c["n"]]
+    line = lambda c: c["residual"] + (f" {c['args']}" if c["args"] else "")  # noqa: E731
+    depths = sorted({c["n_layer"] for c in done})
+    with_mod = any(c["mod"] for c in done)
+    panels = ["cells"] + ["depth"] * (len(depths) > 1) + ["mod"] * with_mod
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), max(4.2, 0.32 * len(done) + 1.5)),
+                             squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        if panel == "cells":
+            y = range(len(done))[::-1]
+            ax.errorbar([c["val_loss"] for c in done], y, xerr=[c["val_loss_std"] or 0 for c in done], fmt="o",
+                        capsize=3, label="mean ± std")
+            for yi, c in zip(y, done):
+                ax.plot(c["losses"], [yi] * len(c["losses"]), ".", color="gray", alpha=0.6)
+            ax.set_yticks(list(y), [c["cell"] for c in done], fontsize=8)
+            ax.set_xlabel("final val loss")
+            ax.set_title(f"each cell at {budget:.3g} FLOPs (dots: seeds)", fontsize=10)
+            continue
+        if panel == "depth":  # a line per residual (and args), the dense cells and each mod setting
+            groups = {}
+            for c in done:
+                groups.setdefault(line(c) + (f" + {c['mod']} {c['mod_rate']:g}" if c["mod"] else ""), []).append(c)
+            key = "n_layer"
+            ax.set_xlabel("layers")
+            ax.set_xscale("log", base=2)  # depths usually double
+            ax.set_xticks(depths, [str(L) for L in depths])
+            ax.set_title(f"val loss vs depth at {budget:.3g} FLOPs", fontsize=10)
+        else:  # the dense cells are mod_rate 0 of each residual and depth
+            groups = {}
+            for c in done:
+                groups.setdefault(f"{line(c)} L={c['n_layer']}", []).append(c)
+            groups = {k: v for k, v in groups.items() if any(c["mod"] for c in v)}
+            for c in done:  # mod_rate for nag and router (top-k), what the gates skipped for skip_middle
+                c["skipped"] = 1 - (c["exec_train"] if c["exec_train"] is not None else 1.0)
+            key = "skipped"
+            ax.set_xlabel("fraction of sublayer tokens skipped in training")
+            ax.set_title("val loss vs skipped fraction", fontsize=10)
+        for label, cs in groups.items():
+            cs = sorted(cs, key=lambda c: c[key])
+            ax.errorbar([c[key] for c in cs], [c["val_loss"] for c in cs],
+                        yerr=[c["val_loss_std"] or 0 for c in cs], marker="o", capsize=3, label=label)
+        ax.set_ylabel("final val loss")
     for a in axes[0]:
         a.grid(alpha=0.3)
-        a.legend(fontsize=8)
+        a.legend(fontsize=7)
     fig.tight_layout()
     return fig
 

@@ -1086,15 +1086,19 @@ class GPT(nn.Module):
             rows[-1]["dead"] = sum(row.get("dead", 0.0) for row in rows[:-1])
         return rows
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, gate_lr_scale=1.0):
+    def configure_optimizers(self, weight_decay, learning_rate, betas, gate_lr_scale=1.0, gate_decay=False):
         # weight decay on matrices and embeddings (>= 2-D); none on norms, gains and scalars, nor on the
         # parameters of a module marked no_decay (skip_middle's gate producers, nag's modulators, as in
-        # the references). gate_lr_scale != 1 (nag only): alpha and the modulators get a group of their
-        # own, without decay, whose "lr_scale" train.py multiplies the scheduled LR by
-        if gate_lr_scale != 1.0 and not hasattr(self.stream, "gate_parameters"):
-            raise ValueError(f"gate_lr_scale={gate_lr_scale} only applies to residual=nag")
+        # the references; gate_decay=True decays the modulator matrices, an ablation). gate_lr_scale != 1
+        # (nag only): alpha and the modulators get a group of their own, without decay, whose "lr_scale"
+        # train.py multiplies the scheduled LR by
+        if (gate_lr_scale != 1.0 or gate_decay) and not hasattr(self.stream, "gate_parameters"):
+            raise ValueError(f"gate_lr_scale={gate_lr_scale}, gate_decay={gate_decay} only apply to residual=nag")
+        if gate_lr_scale != 1.0 and gate_decay:
+            raise ValueError("gate_decay=True needs gate_lr_scale=1: the gate group has no decay")
         gates = self.stream.gate_parameters() if gate_lr_scale != 1.0 else []
-        exempt = {id(p) for m in self.modules() if getattr(m, "no_decay", False) for p in m.parameters()}
+        exempt = {id(p) for m in self.modules() if getattr(m, "no_decay", False)
+                  and not (gate_decay and isinstance(m, Modulator)) for p in m.parameters()}
         params = [p for p in self.parameters() if p.requires_grad and all(p is not g for g in gates)]
         decay = [p for p in params if p.dim() >= 2 and id(p) not in exempt]
         no_decay = [p for p in params if p.dim() < 2 or id(p) in exempt]

@@ -49,6 +49,7 @@ DEFAULTS = dict(
     # residual=nag only: nag-nanochat's training recipe (README, "Fidelity")
     nag_gate_lr_scale=1.0,  # LR of alpha and the modulators = this x the scheduled LR; reference: gate LR 1e-3,
     # 0.05 x its Muon matrix LR (0.02), about 1x our AdamW LR (6e-4 .. 1e-3): so 1 here
+    nag_gate_decay=False,  # True: weight decay on the modulator matrices too (the reference has none; an ablation)
     nag_alpha_warmup_tokens=0,  # alpha x min(1, tokens trained / this), 0 at iteration 0; reference: 600 * 2**19 (0: off)
     grad_clip=1.0,  # 0 disables
     max_bad_steps=10,  # stop after this many consecutive steps with non-finite gradients (0 or 1: the first)

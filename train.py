@@ -147,6 +147,9 @@ def check_nag_recipe(cfg):
             raise ConfigError(f"{key} must be a number >= 0, got {cfg[key]!r}")
         if cfg[key] != DEFAULTS[key] and cfg["residual"] != "nag":
             raise ConfigError(f"{key}={cfg[key]} only applies to residual=nag; remove it or set --residual=nag")
+    if cfg["nag_gate_decay"] and (cfg["residual"] != "nag" or cfg["nag_gate_lr_scale"] != 1.0):
+        raise ConfigError("nag_gate_decay=True applies to residual=nag with nag_gate_lr_scale=1 (the gate group "
+                          "has no decay); drop one of them")
 
 
 def set_lr(optimizer, lr):
@@ -375,7 +378,8 @@ class Trainer:
         check_nag_recipe(cfg)  # after the model keys: on resume, residual comes from the checkpoint
         self.raw_model = GPT(self.gptconf).to(device)
         self.optimizer = self.raw_model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"],
-                                                             (cfg["beta1"], cfg["beta2"]), cfg["nag_gate_lr_scale"])
+                                                             (cfg["beta1"], cfg["beta2"]), cfg["nag_gate_lr_scale"],
+                                                             cfg["nag_gate_decay"])
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg["dtype"] == "float16")
         self.iter_num, self.best_val_loss, self.flops_base = 0, float("inf"), None
         if ckpt is not None:

@@ -149,6 +149,14 @@ def test_modulators_get_no_weight_decay():
     for mod in model.stream.modulators:
         assert group_of(opt, mod.proj.weight)["weight_decay"] == 0.0
     assert group_of(opt, model.sublayers[0].c_attn.weight)["weight_decay"] == 0.1
+    # the ablation switch (train.py's nag_gate_decay): the modulator matrices decay, their biases and alpha do not
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), gate_decay=True)
+    for mod in model.stream.modulators:
+        assert group_of(opt, mod.proj.weight)["weight_decay"] == 0.1
+        assert group_of(opt, mod.proj.bias)["weight_decay"] == 0.0
+    assert group_of(opt, model.stream.alpha)["weight_decay"] == 0.0
+    with pytest.raises(ValueError, match="gate_decay=True needs gate_lr_scale=1"):
+        model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), gate_lr_scale=0.5, gate_decay=True)
 
 
 def test_nag_recipe_keys_only_apply_to_nag():
@@ -157,6 +165,11 @@ def test_nag_recipe_keys_only_apply_to_nag():
         with pytest.raises(ConfigError, match=f"{key}={value} only applies to residual=nag"):
             train.check_nag_recipe(cfg)
         train.check_nag_recipe({**cfg, "residual": "nag"})
+    for cfg in ({**DEFAULTS, "nag_gate_decay": True},
+                {**DEFAULTS, "residual": "nag", "nag_gate_decay": True, "nag_gate_lr_scale": 0.05}):
+        with pytest.raises(ConfigError, match="nag_gate_decay=True applies to residual=nag with nag_gate_lr_scale=1"):
+            train.check_nag_recipe(cfg)
+    train.check_nag_recipe({**DEFAULTS, "residual": "nag", "nag_gate_decay": True})
     with pytest.raises(ConfigError, match="nag_gate_lr_scale must be a number >= 0"):
         train.check_nag_recipe({**DEFAULTS, "residual": "nag", "nag_gate_lr_scale": -1.0})
 

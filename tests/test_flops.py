@@ -3,6 +3,8 @@ MFU, train.py's max_flops, and sweeps that resume and survive a failing run (CPU
 import csv
 import json
 import os
+import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -251,14 +253,16 @@ def test_train_max_flops(data_dir, tmp_path):
 
 @pytest.mark.parametrize("path", sorted((REPO / "config").glob("sweep_*.py")), ids=lambda p: p.name)
 def test_shipped_sweep_configs_are_valid(path):
+    """Every run of every shipped sweep is a valid train.py configuration and model."""
     sw = configure([str(path)], flops.SWEEP_DEFAULTS)
-    cfg = configure([str(REPO / sw["train_config"]), *sw["train_args"]], run_config.DEFAULTS)
-    shape = {k: cfg[k] for k in ("n_head", "n_embd", "block_size")}
-    for L in sw["depths"]:
-        for r in sw["residuals"]:
-            GPTConfig(vocab_size=65, **shape, n_layer=L, residual=r)
-        for r, mod, rate in sw["mod_runs"]:  # every MoD run is a valid residual / mod pair
-            GPTConfig(vocab_size=65, **shape, n_layer=L, residual=r, mod=mod, mod_rate=rate)
+    runs = flops.sweep_runs(sw)
+    assert runs
+    for name, cell, overrides in runs:
+        cfg = configure([str(REPO / sw["train_config"]), *sw["train_args"], *flops.override_args(overrides)],
+                        run_config.DEFAULTS)
+        assert all(cfg[k] == v for k, v in overrides.items())
+        train.check_nag_recipe(cfg)
+        run_config.model_config(cfg, 65)
 
 
 def test_sweep_resumes_and_reports_failures(data_dir, tmp_path, capsys):
@@ -291,8 +295,9 @@ def test_sweep_resumes_and_reports_failures(data_dir, tmp_path, capsys):
     with open(root / "results.csv") as f:
         assert [r["status"] for r in csv.DictReader(f)] == statuses
     table = (root / "results.md").read_text()
-    assert "| prenorm_L0 | prenorm | 0 | - | 0 | failed |" in table
-    assert "| nag_L1_nag0.25 | nag | 1 | nag | 0.25 | done |" in table
+    assert "| prenorm_L0 | prenorm | 0 | - | 0 | - | 0/1 | - |" in table  # no finished run in that cell
+    assert "| nag_L1_nag0.25 | nag | 1 | nag | 0.25 | - | 1/1 | 3 |" in table
+    assert "| prenorm_L0 | 1337 | failed |" in table and "| nag_L1_nag0.25 | 1337 | done | 3 |" in table
 
     # the sweep is killed during prenorm_L2: it left a checkpoint but no `done` marker
     os.remove(root / "prenorm_L2" / "done")
@@ -306,3 +311,51 @@ def test_sweep_resumes_and_reports_failures(data_dir, tmp_path, capsys):
     assert "resuming from" in (root / "prenorm_L2" / "stdout.txt").read_text()
     assert "nag_L1_nag0.25: already finished, skipped" in out
     assert [r["status"] for r in rows] == statuses
+
+
+def test_sweep_seeds_named_runs_and_parallel_jobs(data_dir, tmp_path, capsys, monkeypatch):
+    base = tmp_path / "tiny.py"
+    base.write_text(f"dataset = 'shakespeare_char'\ndata_dir = {str(data_dir)!r}\ndevice = 'cpu'\n"
+                    "dtype = 'float32'\nn_head = 2\nn_embd = 32\nblock_size = 32\nbatch_size = 4\n"
+                    "gradient_accumulation_steps = 1\neval_iters = 1\neval_interval = 2\nwarmup_iters = 1\n"
+                    "max_iters = 1000\nlog_interval = 1\n")
+    per_token = flops.train_flops_per_token(GPTConfig(vocab_size=65, n_layer=1, n_head=2, n_embd=32, block_size=32))
+    argv = [f"--train_config={base}", f"--out_root={tmp_path}", "--sweep_name=s", "--residuals=['prenorm']",
+            "--depths=[1]", f"--budget={3 * per_token * 4 * 32}", "--seeds=[1, 2]", "--jobs=2",
+            "--runs=[('wide', {'residual': 'prenorm', 'n_layer': 1, 'n_embd': 64})]"]
+    live, most = [], [0]
+
+    class Counting(subprocess.Popen):  # how many train.py processes run at once
+        def __init__(self, *args, **kwargs):
+            live[:] = [p for p in live if p.poll() is None] + [self]
+            most[0] = max(most[0], len(live))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(flops.subprocess, "Popen", Counting)
+    rows = flops.run_sweep(argv)
+    assert most[0] == 2  # two at a time, never three
+    assert [(r["run"], r["cell"], r["seed"], r["status"]) for r in rows] == [
+        ("prenorm_L1_s1", "prenorm_L1", 1, "done"), ("prenorm_L1_s2", "prenorm_L1", 2, "done"),
+        ("wide_s1", "wide", 1, "done"), ("wide_s2", "wide", 2, "done")]
+    root = tmp_path / "s"
+    for r in rows:  # each run trained with its own seed and the cell's overrides
+        cfg = torch.load(root / r["run"] / "ckpt.pt", weights_only=False)["config"]
+        assert (cfg["seed"], cfg["n_embd"]) == (r["seed"], 64 if r["cell"] == "wide" else 32)
+    assert rows[0]["val_loss"] != rows[1]["val_loss"]  # the seed changes the run
+    assert rows[2]["params"] > rows[0]["params"] and rows[2]["args"] == "--n_embd=64" and rows[0]["args"] == ""
+    with open(root / "results.csv") as f:
+        assert [(r["run"], r["seed"]) for r in csv.DictReader(f)] == [(r["run"], str(r["seed"])) for r in rows]
+    table = (root / "results.md").read_text()
+    for cell, pair in (("prenorm_L1", rows[:2]), ("wide", rows[2:])):  # mean ± sample std over the two seeds
+        losses = [r["val_loss"] for r in pair]
+        assert f"| {statistics.mean(losses):.4f} ± {statistics.stdev(losses):.4f} |" in table.split(f"| {cell} |")[1]
+    assert (root / "results.png").stat().st_size > 0
+    # a rerun skips every finished run; a bad key or seed list fails before anything runs
+    capsys.readouterr()
+    flops.run_sweep(argv)
+    assert capsys.readouterr().out.count("already finished, skipped") == 4
+    for bad, match in (("--runs=[('x', {'n_layr': 2})]", "unknown config key 'n_layr'"),
+                       ("--seeds=[1, 1]", "distinct integers"), ("--jobs=0", "positive integer")):
+        with pytest.raises(ConfigError, match=match):
+            flops.run_sweep([*argv[:2], "--sweep_name=bad", bad])
+    assert not (tmp_path / "bad").exists()
