@@ -7,6 +7,7 @@ Benchmarks that print figures (speed targets are checked here, not in timed test
     python bench.py --section=mod        # Mixture-of-Depths step time at mod_rate 0, 0.25, 0.5
     python bench.py --section=compile    # eager vs compiled reference vs compiled custom ops, per mode
     python bench.py --section=quickstart # the quickstart command against a nanoGPT-like baseline run
+    python bench.py --section=sample     # sampling with a KV cache: one mod=nag model, dense vs routed
 
 kernels: forward and forward+backward time of rms_norm, nag_update and depth_attention, and the
 achieved bandwidth: the bytes a fused kernel must move at least (each input read once, each output
@@ -24,6 +25,11 @@ quickstart (not part of "all": whole training runs): `python train.py config/sha
 against `python bench.py baseline config/shakespeare_char_cpu.py` (nanoGPT's model and loop on the
 same config; see baseline_train), both cut to --max_iters, as whole processes in --pairs interleaved
 pairs: median wall times, their ratio, and each run's final val loss on the same eval batches.
+sample (not part of "all"): tokens/s of generate() with the KV cache, one batch-1 sequence, for the
+same mod=nag model run dense (thresholds off) and with its eval routing, in --pairs interleaved
+pairs; the model of --out_dir's checkpoint, or (no --out_dir) an 8-layer quickstart-width nag at
+mod_rate 0.25 whose thresholds a few training-mode forwards on random tokens set. Prints the time
+saved against the skipped fraction (target: saved >= 0.8 x skipped).
 model and compile also print the saved-activation bytes (each storage once) relative to prenorm.
 Ratios measured in one run are what to compare: absolute times drift on a shared machine.
 """
@@ -50,6 +56,7 @@ from run_config import REPO, pick_device
 DEFAULTS = dict(section="all", device="auto", dtype="auto", compile=True, reps=0, batch_size=0,
                 pairs=3, max_iters=600,  # --section=quickstart: interleaved pairs of runs, iterations per run
                 layers=0,  # --section=model: the depth (0: 12 on a GPU, 4 on a CPU)
+                out_dir="", tokens=500,  # --section=sample: a mod=nag checkpoint ("" a random model), tokens per sample
                 backend="inductor")  # backend: torch.compile's, for --section=compile
 
 
@@ -380,7 +387,7 @@ def bench_quickstart(pairs, max_iters, config=QUICKSTART):
     return {name: (median[name], losses[name]) for name in runs}
 
 
-SECTIONS = ("all", "kernels", "model", "mod", "compile", "quickstart")
+SECTIONS = ("all", "kernels", "model", "mod", "compile", "quickstart", "sample")
 COMPILE_VARIANTS = {  # name: (compiled?, kernels)
     "eager": (False, "auto"),
     "compiled reference": (True, "torch"),  # inductor fuses the plain-PyTorch references
@@ -418,6 +425,61 @@ def bench_compile(device, dtype, reps, batch_size, backend="inductor", layers=4,
     return times, saved
 
 
+# -----------------------------------------------------------------------------
+# sample: generation speed of one mod=nag model, dense against routed
+
+def sample_model(out_dir, device):
+    """The mod=nag model to sample: out_dir's checkpoint, or a random one with thresholds set."""
+    if out_dir:
+        model = run_config.model_from_checkpoint(run_config.load_checkpoint(os.path.join(out_dir, "ckpt.pt"), device),
+                                                 device)
+        if model.config.mod != "nag" or not torch.isfinite(model.mod.tau).all():
+            raise ConfigError(f"{out_dir} is not a mod=nag model trained with routing (mod={model.config.mod}); "
+                              f"pass the out_dir of a --mod=nag --mod_rate=0.25 run")
+        return model
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(residual="nag", mod="nag", mod_rate=0.25, n_layer=8, n_head=4, n_embd=128,
+                          block_size=64, vocab_size=65)).to(device)
+    with torch.no_grad():  # training-mode forwards: top-k routing updates the thresholds tau (an EMA)
+        for _ in range(20):
+            model(torch.randint(0, 65, (12, 64), device=device))
+    return model.eval()
+
+
+def bench_sample(device, dtype, out_dir, tokens, pairs):
+    model = sample_model(out_dir, device)
+    tau, dense_tau = model.mod.tau.clone(), torch.full_like(model.mod.tau, float("nan"))  # nan: every token runs
+    c = model.config
+    print(f"\n## Sampling with a KV cache: {out_dir or 'a random model, thresholds set on random tokens'} "
+          f"({c.n_layer} layers, {c.n_embd} wide, mod=nag at mod_rate {c.mod_rate:g}), {tokens} tokens per "
+          f"sample, batch 1, {pairs} interleaved pairs")
+    times, skipped = {"dense": [], "routed": []}, []
+    for _ in range(pairs):
+        for name in ("dense", "routed"):
+            model.mod.tau.copy_(dense_tau if name == "dense" else tau)
+            torch.manual_seed(1)
+            prompt = torch.zeros((1, 1), dtype=torch.long, device=device)
+            t0 = time.perf_counter()
+            with torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
+                model.generate(prompt, tokens, kv_cache=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - t0)
+            if name == "routed":
+                stats = model.generate_stats
+                skipped.append(1 - sum(stats["executed"]) / (len(stats["executed"]) * stats["tokens"]))
+    model.mod.tau.copy_(tau)
+    dense, routed = statistics.median(times["dense"]), statistics.median(times["routed"])
+    skip, saved = statistics.mean(skipped), 1 - routed / dense
+    print("| routing | tokens/s | skipped (realised) |")
+    print("|---|---|---|")
+    print(f"| dense (thresholds off) | {tokens / dense:.0f} | 0 |")
+    print(f"| mod=nag eval routing | {tokens / routed:.0f} | {skip:.3f} |")
+    print(f"time per token routed / dense = {routed / dense:.3f}x: saved {saved:.1%} for {skip:.1%} skipped "
+          f"(target: saved >= 0.8 x skipped = {0.8 * skip:.1%}: {'met' if saved >= 0.8 * skip else 'not met'})")
+    return {("sample", "dense"): dense / tokens, ("sample", "routed"): routed / tokens}
+
+
 def main(argv=None):
     """Print the tables; returns seconds per step by residual mode (model section) and by
     (residual, mod, mod_rate) (mod section), for the sections that ran."""
@@ -441,6 +503,8 @@ def main(argv=None):
         times.update(bench_compile(device, dtype, reps, cfg["batch_size"], cfg["backend"])[0])
     if cfg["section"] == "quickstart":  # not in "all": whole training runs
         times.update(bench_quickstart(cfg["pairs"], cfg["max_iters"]))
+    if cfg["section"] == "sample":  # not in "all"
+        times.update(bench_sample(device, dtype, cfg["out_dir"], cfg["tokens"], cfg["pairs"]))
     return times
 
 

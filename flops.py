@@ -209,7 +209,7 @@ SWEEP_DEFAULTS = dict(
     out_root="out",
     train_config="config/shakespeare_char_cpu.py",  # every run starts from this train.py config
     train_args=[],  # and these --key=value, then the sweep's own
-    budget=1e14,  # training FLOPs per run (train.py --max_flops; a run's own max_flops wins)
+    budget=1e14,  # training FLOPs per run (train.py --max_flops; a run's own max_flops wins); None: max_iters
     depths=[2, 4, 8],
     residuals=["prenorm", "nag", "block_attnres"],  # a dense run per residual and depth
     mod_runs=[],  # extra (residual, mod, mod_rate) runs at every depth, e.g. ("nag", "nag", 0.25)
@@ -298,6 +298,8 @@ def run_row(run, cfg, out_dir, status):
 
 def run_sweep(argv):
     sw = configure(argv, SWEEP_DEFAULTS)
+    if sw["budget"] is not None:
+        iterations_for_budget(sw["budget"], 1.0, 1)  # a bad budget fails here, not in every run
     if isinstance(sw["jobs"], bool) or not isinstance(sw["jobs"], int) or sw["jobs"] < 1:
         raise ConfigError(f"jobs must be a positive integer (train.py processes at a time), got {sw['jobs']!r}")
     root = os.path.abspath(os.path.join(sw["out_root"], sw["sweep_name"]))
@@ -330,7 +332,8 @@ def _sweep(sw, root, runs, base_argv, cfgs):
             out_dir = os.path.join(root, name)
             # a killed run left a checkpoint: continue it rather than start over
             resume = os.path.exists(os.path.join(out_dir, "ckpt.pt"))
-            cmd = [sys.executable, "train.py", *base_argv, f"--out_dir={out_dir}", f"--max_flops={sw['budget']}",
+            budget = [] if sw["budget"] is None else [f"--max_flops={sw['budget']}"]
+            cmd = [sys.executable, "train.py", *base_argv, f"--out_dir={out_dir}", *budget,
                    *override_args(overrides), *(["--init_from=resume"] if resume else [])]
             os.makedirs(out_dir, exist_ok=True)
             log = open(os.path.join(out_dir, "stdout.txt"), "a")
@@ -396,7 +399,8 @@ def write_results(root, runs, cfgs, status, budget):
     fmt = lambda v, spec: "-" if v in (None, "") else format(v, spec)  # noqa: E731
     pm = lambda c, k: fmt(c[k], ".4f") + ("" if c[k + "_std"] is None else f" ± {c[k + '_std']:.4f}")  # noqa: E731
     seeds = sorted({r["seed"] for r in rows})
-    lines = [f"iso-FLOP sweep at {budget:.3g} training FLOPs per run; seeds {', '.join(map(str, seeds))}. "
+    what = "each run at its max_iters" if budget is None else f"iso-FLOP sweep at {budget:.3g} training FLOPs per run"
+    lines = [f"{what}; seeds {', '.join(map(str, seeds))}. "
              "Per cell: mean ± sample std (n - 1) over its finished runs; executed = the mean fraction of "
              "tokens a sublayer ran (eval: the last eval's routing).", "",
              "| cell | residual | layers | mod | mod_rate | args | runs done | iters | non-emb params "
@@ -444,7 +448,7 @@ def plot_results(cells, budget):
                 ax.plot(c["losses"], [yi] * len(c["losses"]), ".", color="gray", alpha=0.6)
             ax.set_yticks(list(y), [c["cell"] for c in done], fontsize=8)
             ax.set_xlabel("final val loss")
-            ax.set_title(f"each cell at {budget:.3g} FLOPs (dots: seeds)", fontsize=10)
+            ax.set_title(f"each cell{'' if budget is None else f' at {budget:.3g} FLOPs'} (dots: seeds)", fontsize=10)
             continue
         if panel == "depth":  # a line per residual (and args), the dense cells and each mod setting
             groups = {}
@@ -454,7 +458,7 @@ def plot_results(cells, budget):
             ax.set_xlabel("layers")
             ax.set_xscale("log", base=2)  # depths usually double
             ax.set_xticks(depths, [str(L) for L in depths])
-            ax.set_title(f"val loss vs depth at {budget:.3g} FLOPs", fontsize=10)
+            ax.set_title(f"val loss vs depth{'' if budget is None else f' at {budget:.3g} FLOPs'}", fontsize=10)
         else:  # the dense cells are mod_rate 0 of each residual and depth
             groups = {}
             for c in done:

@@ -254,13 +254,18 @@ def _rotate_real(pairs, rope):
 class KVCache:
     """Keys and values of the tokens that ran one attention sublayer, for generation. Under MoD the
     rows of a batch keep different tokens, so every slot has an additive bias per row: 0 for a key,
-    -inf where that row did not run the token (skip_middle: the key's log-gate)."""
+    -inf where that row did not run the token (skip_middle: the key's log-gate). unbiased: no slot
+    so far was given a bias (every bias 0), so attention needs no mask beyond causality."""
 
     def __init__(self, size):
-        self.size, self.n, self.k = size, 0, None
+        self.size, self.n, self.k, self.unbiased = size, 0, None, True
 
     def append(self, k, v, bias):
-        """Add t slots (k, v [B, nh, t, hd], bias [B, t]); return every slot so far."""
+        """Add t slots (k, v [B, nh, t, hd], bias [B, t], None: 0); return every slot so far."""
+        if bias is None:
+            bias = k.new_zeros(k.size(0), k.size(2), dtype=torch.float32)
+        else:
+            self.unbiased = False
         B, nh, t, hd = k.shape
         if self.k is None:
             self.k, self.v = k.new_zeros(B, nh, self.size, hd), v.new_zeros(B, nh, self.size, hd)
@@ -305,17 +310,19 @@ class CausalSelfAttention(nn.Module):
         qk, v = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).split((2, 1), dim=2)
         q, k = apply_rope(qk, rope).unbind(2)  # q and k rotated together: one op instead of two
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.squeeze(2).transpose(1, 2)  # [B, nh, T, hd]
-        mask = None
+        mask, causal = None, True
         if cache is not None:
-            bias = key_bias if key_bias is not None else q.new_zeros(B, T, dtype=torch.float32)
-            k, v, bias = cache.append(k, v, bias)
-            mask = attention_mask(bias, T, query_bias)
+            k, v, bias = cache.append(k, v, key_bias)
+            if cache.unbiased and query_bias is None and (T == 1 or cache.n == T):
+                causal = T > 1  # one new token sees every cached key; a first window is plainly causal
+            else:
+                mask = attention_mask(bias, T, query_bias)
         elif key_bias is not None or query_bias is not None:
             bias = key_bias if key_bias is not None else q.new_zeros(B, T, dtype=torch.float32)
             mask = attention_mask(bias, T, query_bias)
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=None if mask is None else mask.to(q.dtype),
-            dropout_p=self.dropout if self.training else 0.0, is_causal=mask is None)
+            dropout_p=self.dropout if self.training else 0.0, is_causal=mask is None and causal)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -677,6 +684,13 @@ class Route:
     def gather_score(self, score):
         return None if score is None else self.gather(score.unsqueeze(-1))
 
+    def ran(self, B, T, device):
+        """[B, T] bool: the tokens that ran the sublayer (padding excluded)."""
+        if self.idx is None:
+            return torch.ones(B, T, dtype=torch.bool, device=device)
+        valid = torch.ones_like(self.idx, dtype=torch.bool) if self.valid is None else self.valid.squeeze(-1)
+        return torch.zeros(B, T, dtype=torch.bool, device=device).scatter(1, self.idx, valid)
+
 
 def topk_route(score, k):
     """Training: per row the k highest scores, in their original order. Returns (route, k-th score)."""
@@ -697,6 +711,11 @@ def mask_route(keep, score=None):
     B, T = keep.shape
     if torch.compiler.is_compiling():
         kmax, padded, executed = T, True, keep.sum()
+    elif B == 1:  # one row (generation): its kept positions, ascending, in one read; no padding
+        idx = keep[0].nonzero().view(1, -1)
+        route = Route(None if idx.size(1) == T else idx, executed=idx.size(1))
+        route.score = route.gather_score(score)
+        return route
     else:
         counts = keep.sum(1).tolist()
         kmax, padded, executed = max(counts), min(counts) < max(counts), sum(counts)
@@ -739,7 +758,7 @@ class TopKMoD(nn.Module):
         u = self.unit[l]
         if u is None or (self.training and self.rate == 0):
             return None  # dense: no score needed
-        if not self.training and self.dense_at_eval(u):
+        if not self.training and self.dense_at_eval(u, ctx):
             return None
         score = self.score(stream, state, x, l)  # [B, T], fp32
         if self.training:
@@ -754,9 +773,14 @@ class TopKMoD(nn.Module):
             route = mask_route(self.keep(x, u, score), score)
         return self.finish(route)
 
-    def dense_at_eval(self, u):
-        # (compiled, keep() keeps every token where tau is nan: no data-dependent branch)
-        return not torch.compiler.is_compiling() and bool(self.tau[u].isnan())
+    def dense_at_eval(self, u, ctx):
+        # one host read of the thresholds per forward pass (compiled: none, keep() keeps every token
+        # where tau is nan, with no data-dependent branch)
+        if torch.compiler.is_compiling():
+            return False
+        if "tau_nan" not in ctx:
+            ctx["tau_nan"] = self.tau.isnan().tolist()
+        return ctx["tau_nan"][u]
 
     def keep(self, x, u, score):
         tau = self.tau[u]
@@ -818,8 +842,8 @@ class RouterMoD(TopKMoD):
         """The predictor's logit that each token is in the top-k; x's gradient stops here."""
         return upcast(self.predictors[u](x.detach())).squeeze(-1)
 
-    def dense_at_eval(self, u):
-        return self.rate == 0 if self.inference == "predictor" else super().dense_at_eval(u)
+    def dense_at_eval(self, u, ctx):
+        return self.rate == 0 if self.inference == "predictor" else super().dense_at_eval(u, ctx)
 
     def keep(self, x, u, score):
         return self.predict(x, u) > 0 if self.inference == "predictor" else super().keep(x, u, score)
@@ -1035,6 +1059,8 @@ class GPT(nn.Module):
         f, x = self.sublayers[l], self.stream.read(state, l)
         T, pos, cache = x.size(1), ctx["pos"], ctx["caches"] and ctx["caches"][l]
         route = self.mod.route(self.stream, state, x, l, ctx) if self.mod is not None else None
+        if "routes" in ctx:  # routing() records them
+            ctx["routes"][l] = route
         if route is None:
             return self.stream.write(state, l, f(x, self.rope[pos:pos + T], cache=cache))
         ctx["executed"][l] = route.executed
@@ -1046,6 +1072,31 @@ class GPT(nn.Module):
             key_bias = torch.where(route.valid.squeeze(-1), 0.0 if key_bias is None else key_bias, float("-inf"))
         out = f(route.gather(x), rope, key_bias=key_bias, query_bias=route.query_bias, cache=cache)
         return self.stream.write_kept(state, l, out, route)
+
+    @torch.no_grad()
+    def routing(self, idx):
+        """What the model's current routing (eval: thresholds or predictors) does with idx [B, T]:
+        ran [2L, B, T] bool, whether each token ran each sublayer; score [2L, B, T] float, what it was
+        routed on (mod=router: the router's score r, nan where a sublayer is not routed) or, for
+        residual=nag, the tangent a = alpha_l m_l(r) of every sublayer (routed or not)."""
+        B, T = idx.shape
+        ctx = self._context(B * T)
+        ctx["routes"] = {}
+        n = len(self.sublayers)
+        score = torch.full((n, B, T), float("nan"), device=idx.device)
+        state = self.stream.embed(self.wte(idx))
+        for l in range(n):
+            if self.config.residual == "nag":
+                score[l] = self.stream.tangent(state[0], l).squeeze(-1).float()
+            elif self.config.mod_layout == "block" and self.config.mod == "router" and l % 2:
+                score[l] = score[l - 1]  # the block's route, scored on the stream entering it
+            elif isinstance(self.mod, TopKMoD) and self.mod.unit[l] is not None:
+                score[l] = self.mod.score(self.stream, state, self.stream.read(state, l), l).float()
+            state = self._sublayer(state, l, ctx)
+        self._finish(ctx)
+        dense = Route(None, executed=B * T)
+        ran = torch.stack([(ctx["routes"][l] or dense).ran(B, T, idx.device) for l in range(n)])
+        return ran, score
 
     def executed_fraction(self):
         """Per sublayer, the fraction of tokens that ran it in the last forward pass."""

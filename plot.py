@@ -5,10 +5,11 @@ Plot nanodepth runs from the log.jsonl that train.py appends to in each out_dir.
     python plot.py weights out-attnres [--iter=N] [--out=weights.png]       # AttnRes depth-attention heat-map
     python plot.py loss out-nag out-prenorm [--out=loss.png]                # val (solid) and train (dashed) loss
     python plot.py table out-nag out-prenorm [--out=table.md]               # Markdown table of the runs
+    python plot.py routing out-mod [--text=...] [--out=routing.png]          # which token ran which sublayer
 
 The command comes first, then the runs' out_dirs, then --key=value options (the configurator's rules:
 unknown keys and wrong types are errors). depth and weights read the diagnostics that train.py logs
-only with --diagnose=True.
+only with --diagnose=True; routing runs a MoD checkpoint (out_dir/ckpt.pt) on the CPU.
 """
 
 import os
@@ -21,11 +22,13 @@ import numpy as np
 from matplotlib.ticker import MaxNLocator
 
 from configurator import ConfigError, configure
-from run_config import load_log
+from run_config import EVAL_SEED, get_batch, load_checkpoint, load_codec, load_log, model_from_checkpoint
 
 DEFAULTS = dict(
     iter=None,  # depth, weights: the eval at this iter (None: the last one with diagnostics)
-    out=None,  # the file written (None: <command>.png; table: print only)
+    out=None,  # the file written (None: <command>.png; table: print only; routing: its table goes to .md)
+    text=None,  # routing: the passage drawn (None: the first block_size tokens of the val split)
+    batches=20,  # routing: val batches (seed EVAL_SEED) the table of which tokens skip most counts over
 )
 
 
@@ -133,10 +136,99 @@ def table(out_dirs):
     return "\n".join(lines)
 
 
+def token_label(s):
+    """A token's text as a tick label: newline and space made visible."""
+    return s.replace("\n", "⏎").replace(" ", "␣") or "∅"
+
+
+def routing(out_dir, text=None, batches=20):
+    """A MoD checkpoint's eval routing (thresholds tau, or the router's predictors): a grid of a
+    passage's tokens x sublayers, whether each token ran each sublayer and the score it was routed on
+    (nag: the tangent a; router: r); and a Markdown table of the tokens that skip most and least,
+    counted over `batches` val batches. Returns (figure, table)."""
+    import torch
+    device = torch.device("cpu")
+    ckpt = load_checkpoint(os.path.join(out_dir, "ckpt.pt"), device)
+    model = model_from_checkpoint(ckpt, device)
+    config = model.config
+    if config.mod not in ("nag", "router") or config.mod_rate == 0:
+        raise ConfigError(f"{out_dir} is a mod={config.mod} model at mod_rate {config.mod_rate:g}: routing draws "
+                          f"a model trained with --mod=nag or --mod=router and mod_rate > 0")
+    encode, decode = load_codec(ckpt)
+    val = os.path.join(ckpt["config"]["data_dir"], ckpt["config"]["dataset"], "val.bin")
+    if text is not None:
+        ids = encode(text)
+        if not 0 < len(ids) <= config.block_size:
+            raise ConfigError(f"--text is {len(ids)} tokens; pass 1 to block_size={config.block_size} tokens")
+    elif not os.path.exists(val):
+        raise ConfigError(f"no {val} to take a passage from: pass --text=...")
+    else:
+        ids = np.memmap(val, dtype=np.uint16, mode="r")[:config.block_size].astype(np.int64).tolist()
+    ran, score = model.routing(torch.tensor([ids]))
+    ran, score = ran[:, 0].numpy(), score[:, 0].numpy()
+
+    routed = sorted(config.mod_routed)
+    kind = "tangent a" if config.residual == "nag" else "router score r"
+    fig, (ax_ran, ax_score) = plt.subplots(2, 1, figsize=(2.5 + 0.2 * len(ids), 2 + 0.5 * config.n_sublayers),
+                                           sharex=True)
+    ax_ran.imshow(ran, cmap="Greys", vmin=0, vmax=1.6, aspect="auto", interpolation="nearest")
+    im = ax_score.imshow(score, cmap="viridis", aspect="auto", interpolation="nearest")
+    skipped = np.nonzero(~ran)
+    ax_score.scatter(skipped[1], skipped[0], marker="x", s=12, color="red", linewidths=0.8, label="skipped")
+    fig.colorbar(im, ax=ax_score, label=kind, fraction=0.03, pad=0.01)
+    names = [f"{l + 1} {'attn' if l % 2 == 0 else 'mlp'}" + ("" if l in routed else " (dense)")
+             for l in range(config.n_sublayers)]
+    for ax in (ax_ran, ax_score):
+        ax.set_yticks(range(config.n_sublayers), names, fontsize=7)
+        ax.set_ylabel("sublayer")
+    ax_score.set_xticks(range(len(ids)), [token_label(decode([i])) for i in ids], fontsize=8, family="monospace")
+    ax_score.legend(loc="upper right", fontsize=7)
+    skip = 1 - ran[routed].mean()
+    ax_ran.set_title(f"{config.residual} + mod={config.mod} at mod_rate {config.mod_rate:g}: dark = the token "
+                     f"ran the sublayer ({skip:.0%} of the routed sublayers' tokens skipped here)", fontsize=10)
+    ax_score.set_title(f"{kind} (red x: skipped)", fontsize=10)
+    fig.tight_layout()
+    return fig, skip_table(model, val, ckpt["config"], decode, batches)
+
+
+def skip_table(model, val, cfg, decode, batches, show=8):
+    """Markdown: per token, over `batches` val batches, the fraction of its routed sublayer passes
+    that were skipped (and nag's mean tangent a); the tokens that skip most, then least."""
+    import torch
+    config, routed = model.config, sorted(model.config.mod_routed)
+    seen, skips, a_sum = {}, {}, {}
+    g = torch.Generator().manual_seed(EVAL_SEED)
+    for _ in range(batches):
+        X, _ = get_batch(val, cfg["batch_size"], config.block_size, g, torch.device("cpu"))
+        ran, score = model.routing(X)
+        skipped = (~ran[routed]).float().mean(0)  # [B, T]: the fraction of routed sublayers skipped
+        a = score[routed].mean(0) if config.residual == "nag" else None
+        for i, tok in enumerate(X.flatten().tolist()):
+            seen[tok] = seen.get(tok, 0) + 1
+            skips[tok] = skips.get(tok, 0.0) + skipped.flatten()[i].item()
+            if a is not None:
+                a_sum[tok] = a_sum.get(tok, 0.0) + a.flatten()[i].item()
+    common = sorted((t for t in seen if seen[t] >= 20), key=lambda t: -skips[t] / seen[t])
+    total = sum(skips.values()) / sum(seen.values())
+    head = "| token | count | skipped |" + (" mean a |" if a_sum else "")
+    lines = [f"Over {batches} val batches ({sum(seen.values()):,} tokens), {total:.1%} of the routed sublayer "
+             f"passes skipped. Tokens seen at least 20 times, the {show} that skip most, then the {show} that "
+             f"skip least:", "", head, "|---|---|---|" + ("---|" if a_sum else "")]
+    rows = common if len(common) <= 2 * show else common[:show] + ["..."] + common[-show:]
+    for t in rows:
+        if t == "...":
+            lines.append("| ... | | |" + (" |" if a_sum else ""))
+            continue
+        lines.append(f"| `{token_label(decode([t]))}` | {seen[t]} | {skips[t] / seen[t]:.1%} |"
+                     + (f" {a_sum[t] / seen[t]:.3f} |" if a_sum else ""))
+    return "\n".join(lines)
+
+
 COMMANDS = {"depth": "residual RMS and relative update size vs sublayer",
             "weights": "AttnRes depth-attention heat-map of one run",
             "loss": "val and train loss vs iter",
-            "table": "Markdown table: val loss, stream growth with depth, ms/iter"}
+            "table": "Markdown table: val loss, stream growth with depth, ms/iter",
+            "routing": "which tokens of a passage ran which sublayer of a MoD checkpoint, and what skips most"}
 
 
 def main(argv):
@@ -146,11 +238,16 @@ def main(argv):
                           f"loss out-nag out-prenorm)")
     cmd, out_dirs = argv[0], [a for a in argv[1:] if not a.startswith("--")]
     cfg = configure([a for a in argv[1:] if a.startswith("--")], DEFAULTS)
-    if not out_dirs or (cmd == "weights" and len(out_dirs) > 1):
-        raise ConfigError(f"plot.py {cmd} takes {'one out_dir' if cmd == 'weights' else 'one or more out_dirs'}, "
+    single = cmd in ("weights", "routing")
+    if not out_dirs or (single and len(out_dirs) > 1):
+        raise ConfigError(f"plot.py {cmd} takes {'one out_dir' if single else 'one or more out_dirs'}, "
                           f"got {len(out_dirs)}")
     if cfg["iter"] is not None and cmd not in ("depth", "weights"):
         raise ConfigError(f"--iter applies to depth and weights, not {cmd}: drop it")
+    if cmd != "routing" and (cfg["text"] is not None or cfg["batches"] != DEFAULTS["batches"]):
+        raise ConfigError(f"--text and --batches apply to routing, not {cmd}: drop them")
+    if isinstance(cfg["batches"], bool) or not isinstance(cfg["batches"], int) or cfg["batches"] < 1:
+        raise ConfigError(f"--batches must be a positive integer, got {cfg['batches']!r}")
 
     if cmd == "table":
         text = table(out_dirs)
@@ -163,6 +260,13 @@ def main(argv):
         fig = plot_depth(out_dirs, cfg["iter"])
     elif cmd == "weights":
         fig = plot_weights(out_dirs[0], cfg["iter"])
+    elif cmd == "routing":
+        fig, text = routing(out_dirs[0], cfg["text"], cfg["batches"])
+        md = os.path.splitext(cfg["out"] or "routing.png")[0] + ".md"
+        with open(md, "w") as f:
+            f.write(text + "\n")
+        print(text)
+        print(md)
     else:
         fig = plot_loss(out_dirs)
     out = cfg["out"] or f"{cmd}.png"

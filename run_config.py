@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from configurator import ConfigError
-from model import GPTConfig
+from model import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 EVAL_SEED = 12345  # evals use the same batches every time, in every run: losses are comparable
@@ -181,6 +181,40 @@ def load_checkpoint(path, device):
     if args.get("residual") == "nag" and "nag_head" not in args:  # saved before the nag options existed
         args.update(nag_head="sqrt_d", nag_m_floor=0.0)  # the model it was trained as
     return ckpt
+
+
+def model_from_checkpoint(ckpt, device, **overrides):
+    """The checkpoint's GPT (its model_args, updated by overrides) with its weights, in eval mode on
+    device. MoD checkpoints carry their thresholds (mod.tau) as a buffer."""
+    try:
+        model = GPT(GPTConfig(**{**ckpt["model_args"], **overrides}))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"the checkpoint's model_args do not make a model here ({e}); "
+                          f"use it with the code version that trained it") from None
+    model.load_state_dict(ckpt["model"])
+    return model.to(device).eval()
+
+
+def load_codec(ckpt):
+    """encode/decode for the checkpoint's dataset: its meta.pkl (character vocab) or gpt2 BPE."""
+    cfg = ckpt.get("config", {})
+    meta_path = os.path.join(cfg.get("data_dir", "data"), cfg.get("dataset", ""), "meta.pkl")
+    if os.path.exists(meta_path):
+        with open(meta_path, "rb") as f:
+            meta = pickle.load(f)
+        if "stoi" in meta:
+            stoi, itos = meta["stoi"], meta["itos"]
+
+            def encode(s):
+                missing = sorted(set(c for c in s if c not in stoi))
+                if missing:
+                    raise ConfigError(f"the text has characters outside the vocabulary: {missing!r}")
+                return [stoi[c] for c in s]
+            return encode, lambda ids: "".join(itos[i] for i in ids)
+    import tiktoken
+    enc = tiktoken.get_encoding("gpt2")
+    return (lambda s: enc.encode(s, allowed_special={"<|endoftext|>"})), enc.decode
+
 
 
 def load_log(out_dir):

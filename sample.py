@@ -14,7 +14,6 @@ sublayer whose tau is nan runs every token).
 """
 
 import os
-import pickle
 import sys
 import time
 
@@ -22,8 +21,7 @@ import torch
 
 from configurator import ConfigError, configure
 from kernels import IMPLS
-from model import GPT, GPTConfig
-from run_config import load_checkpoint, pick_device, sublayer_names
+from run_config import load_checkpoint, load_codec, model_from_checkpoint, pick_device, sublayer_names
 
 DEFAULTS = dict(
     out_dir="out",  # the checkpoint is out_dir/ckpt.pt
@@ -41,27 +39,6 @@ DEFAULTS = dict(
 )
 
 
-def load_codec(ckpt):
-    """encode/decode for the checkpoint's dataset: its meta.pkl (character vocab) or gpt2 BPE."""
-    cfg = ckpt.get("config", {})
-    meta_path = os.path.join(cfg.get("data_dir", "data"), cfg.get("dataset", ""), "meta.pkl")
-    if os.path.exists(meta_path):
-        with open(meta_path, "rb") as f:
-            meta = pickle.load(f)
-        if "stoi" in meta:
-            stoi, itos = meta["stoi"], meta["itos"]
-
-            def encode(s):
-                missing = sorted(set(c for c in s if c not in stoi))
-                if missing:
-                    raise ConfigError(f"the prompt has characters outside the vocabulary: {missing!r}")
-                return [stoi[c] for c in s]
-            return encode, lambda ids: "".join(itos[i] for i in ids)
-    import tiktoken
-    enc = tiktoken.get_encoding("gpt2")
-    return (lambda s: enc.encode(s, allowed_special={"<|endoftext|>"})), enc.decode
-
-
 def main(argv):
     cfg = configure(argv, DEFAULTS)
     if cfg["compile"]:  # it used to compile a module that generate() never ran
@@ -71,19 +48,10 @@ def main(argv):
     torch.manual_seed(cfg["seed"])
 
     ckpt = load_checkpoint(os.path.join(cfg["out_dir"], "ckpt.pt"), device)
-    model_args = dict(ckpt["model_args"])
-    if cfg["kernels"] is not None:
-        if cfg["kernels"] not in IMPLS:
-            raise ConfigError(f"unknown kernels {cfg['kernels']!r}; valid: {', '.join(IMPLS)}")
-        model_args["kernels"] = cfg["kernels"]
-    try:
-        config = GPTConfig(**model_args)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"the checkpoint's model_args do not make a model here ({e}); "
-                          f"sample it with the code version that trained it") from None
-    model = GPT(config)
-    model.load_state_dict(ckpt["model"])  # MoD checkpoints carry their thresholds (mod.tau) as a buffer
-    model.eval().to(device)
+    if cfg["kernels"] is not None and cfg["kernels"] not in IMPLS:
+        raise ConfigError(f"unknown kernels {cfg['kernels']!r}; valid: {', '.join(IMPLS)}")
+    model = model_from_checkpoint(ckpt, device, **({"kernels": cfg["kernels"]} if cfg["kernels"] else {}))
+    config = model.config
     encode, decode = load_codec(ckpt)
 
     start = cfg["start"]

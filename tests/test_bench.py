@@ -84,6 +84,20 @@ def test_bench_quickstart_times_both_commands(capsys):
     assert 3.0 < ours_loss[0] < 4.6 and 3.0 < base_loss[0] < 4.6  # near ln(65) = 4.17 after 3 iterations
 
 
+def test_bench_sample_times_dense_and_routed(capsys):
+    """--section=sample: the same mod=nag model sampled dense (thresholds off) and routed; the printed
+    saving is 1 - routed / dense of the returned times, and the routed run skipped tokens."""
+    times = bench.main(["--section=sample", "--device=cpu", "--tokens=20", "--pairs=1"])
+    out = capsys.readouterr().out
+    dense, routed = times[("sample", "dense")], times[("sample", "routed")]
+    rows = {r[1].strip(): r[2:4] for r in (line.split("|") for line in out.splitlines()) if len(r) == 5}
+    assert rows["dense (thresholds off)"][0].strip() == f"{1 / dense:.0f}"
+    assert rows["mod=nag eval routing"][0].strip() == f"{1 / routed:.0f}"
+    skipped = float(rows["mod=nag eval routing"][1])
+    assert 0.05 < skipped < 0.6  # thresholds set at mod_rate 0.25 skip some tokens
+    assert f"routed / dense = {routed / dense:.3f}x: saved {1 - routed / dense:.1%} for {skipped:.1%}" in out
+
+
 def test_baseline_model_is_nanogpts():
     """The baseline has nanoGPT's parameters: learned positions, LayerNorms with biases, a tied head."""
     model = bench.BaselineGPT(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128)

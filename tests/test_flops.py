@@ -319,9 +319,9 @@ def test_sweep_seeds_named_runs_and_parallel_jobs(data_dir, tmp_path, capsys, mo
                     "dtype = 'float32'\nn_head = 2\nn_embd = 32\nblock_size = 32\nbatch_size = 4\n"
                     "gradient_accumulation_steps = 1\neval_iters = 1\neval_interval = 2\nwarmup_iters = 1\n"
                     "max_iters = 1000\nlog_interval = 1\n")
-    per_token = flops.train_flops_per_token(GPTConfig(vocab_size=65, n_layer=1, n_head=2, n_embd=32, block_size=32))
+    # no budget: every run trains its max_iters (3)
     argv = [f"--train_config={base}", f"--out_root={tmp_path}", "--sweep_name=s", "--residuals=['prenorm']",
-            "--depths=[1]", f"--budget={3 * per_token * 4 * 32}", "--seeds=[1, 2]", "--jobs=2",
+            "--depths=[1]", "--budget=None", "--train_args=['--max_iters=3']", "--seeds=[1, 2]", "--jobs=2",
             "--runs=[('wide', {'residual': 'prenorm', 'n_layer': 1, 'n_embd': 64})]"]
     live, most = [], [0]
 
@@ -342,10 +342,12 @@ def test_sweep_seeds_named_runs_and_parallel_jobs(data_dir, tmp_path, capsys, mo
         cfg = torch.load(root / r["run"] / "ckpt.pt", weights_only=False)["config"]
         assert (cfg["seed"], cfg["n_embd"]) == (r["seed"], 64 if r["cell"] == "wide" else 32)
     assert rows[0]["val_loss"] != rows[1]["val_loss"]  # the seed changes the run
+    assert all(r["iters"] == 3 for r in rows)
     assert rows[2]["params"] > rows[0]["params"] and rows[2]["args"] == "--n_embd=64" and rows[0]["args"] == ""
     with open(root / "results.csv") as f:
         assert [(r["run"], r["seed"]) for r in csv.DictReader(f)] == [(r["run"], str(r["seed"])) for r in rows]
     table = (root / "results.md").read_text()
+    assert table.startswith("each run at its max_iters; seeds 1, 2.")
     for cell, pair in (("prenorm_L1", rows[:2]), ("wide", rows[2:])):  # mean ± sample std over the two seeds
         losses = [r["val_loss"] for r in pair]
         assert f"| {statistics.mean(losses):.4f} ± {statistics.stdev(losses):.4f} |" in table.split(f"| {cell} |")[1]

@@ -129,6 +129,13 @@ def test_mask_route_pads_rows_after_their_kept_tokens():
     assert same.valid is None and same.idx.tolist() == [[0, 2], [1, 2]]
     nobody = mask_route(torch.zeros(2, 3, dtype=torch.bool))
     assert nobody.idx.shape == (2, 0) and nobody.executed == 0
+    # one row (generation's path): the same tokens and scores as that row of a batch, no padding
+    for row in keep:
+        one = mask_route(row[None], torch.arange(6.0)[None])
+        assert one.valid is None and one.idx.tolist() == [row.nonzero().flatten().tolist()]
+        assert one.executed == int(row.sum()) and one.score.flatten().tolist() == row.nonzero().flatten().tolist()
+    assert mask_route(torch.ones(1, 6, dtype=torch.bool)).idx is None
+    assert mask_route(torch.zeros(1, 1, dtype=torch.bool)).idx.shape == (1, 0)
 
 
 def rotate(x, pos):

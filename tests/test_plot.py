@@ -1,11 +1,15 @@
-"""plot.py on hand-written log.jsonl files: each subcommand writes a PNG of the data in the log."""
+"""plot.py on hand-written log.jsonl files: each subcommand writes a PNG of the data in the log; routing
+on tiny MoD checkpoints."""
 import json
 
 import numpy as np
 import pytest
+import torch
 
 import plot
+import run_config
 from configurator import ConfigError
+from tiny_checkpoint import BLOCK, make_checkpoint
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -131,3 +135,81 @@ def test_command_line_errors(runs, tmp_path):
     with pytest.raises(ConfigError, match="weights takes one out_dir, got 2"):
         plot.main(["weights", runs["attnres"], runs["nag"]])
     assert not list(tmp_path.glob("*.png"))
+
+
+# -----------------------------------------------------------------------------
+# routing: a tiny MoD checkpoint (tests/tiny_checkpoint.py) run through plot.py routing
+
+@pytest.fixture(scope="module")
+def mod_ckpts(data_dir, tmp_path_factory):
+    """nag + mod=nag and prenorm + mod=router (one route per block, thresholds) at mod_rate 0.5, and a dense nag."""
+    root = tmp_path_factory.mktemp("routing")
+    models = {"nag": make_checkpoint(root / "nag", data_dir, steps=30, residual="nag", mod="nag", mod_rate=0.5),
+              "router": make_checkpoint(root / "router", data_dir, steps=30, mod="router", mod_rate=0.5,
+                                        mod_inference="threshold"),
+              "dense": make_checkpoint(root / "dense", data_dir, steps=1, residual="nag")}
+    return root, models
+
+
+def val_batch(data_dir, n=4):
+    g = torch.Generator().manual_seed(3)
+    return run_config.get_batch(str(data_dir / "shakespeare_char" / "val.bin"), n, BLOCK, g, torch.device("cpu"))[0]
+
+
+@pytest.mark.parametrize("name", ["nag", "router"])
+def test_routing_is_the_eval_rule(mod_ckpts, data_dir, name):
+    """GPT.routing: a token ran a routed sublayer exactly where its score reached the threshold tau
+    (the eval rule, restated here), the counts are the forward pass's own, and a block's two sublayers
+    share the router's route."""
+    model = mod_ckpts[1][name]
+    idx = val_batch(data_dir)
+    ran, score = model.routing(idx)
+    assert ran.shape == score.shape == (model.config.n_sublayers, *idx.shape)
+    tau = model.mod.tau
+    assert torch.isfinite(tau).all()
+    for l in range(model.config.n_sublayers):
+        assert torch.equal(ran[l], score[l] >= tau[model.mod.unit[l]])
+    assert 0 < ran.float().mean() < 1  # some tokens skip, some run
+    assert [int(e) for e in model.last_executed] == ran.sum((1, 2)).tolist()
+    model(idx)  # a plain eval forward runs the same tokens
+    assert [int(e) for e in model.last_executed] == ran.sum((1, 2)).tolist()
+    if name == "nag":  # the score is the tangent a of the stream's direction entering each sublayer
+        assert (score >= 0).all() and torch.isfinite(score).all()
+    else:
+        assert torch.equal(ran[0::2], ran[1::2]) and torch.equal(score[0::2], score[1::2])
+
+
+def test_routing_plot_and_table(mod_ckpts, data_dir, tmp_path, capsys):
+    root, models = mod_ckpts
+    out = tmp_path / "routing_nag.png"
+    fig = plot.main(["routing", str(root / "nag"), f"--out={out}", "--batches=2"])
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    table = (tmp_path / "routing_nag.md").read_text()
+    assert table.strip() in capsys.readouterr().out
+    # the table's total is the skipped share over the same val batches (EVAL_SEED), recounted here
+    model, g, ran = models["nag"], torch.Generator().manual_seed(run_config.EVAL_SEED), []
+    for _ in range(2):
+        X, _ = run_config.get_batch(str(data_dir / "shakespeare_char" / "val.bin"), 4, BLOCK, g, torch.device("cpu"))
+        ran.append(model.routing(X)[0])
+    assert f"{1 - torch.cat(ran, 1).float().mean().item():.1%} of the routed sublayer passes skipped" in table
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    skipped = [float(line.split("|")[3].strip().rstrip("%")) for line in rows]
+    assert rows and skipped == sorted(skipped, reverse=True)  # most skipped first
+    # the passage's grid: tokens as labels along x, every sublayer along y
+    ax_ran, ax_score = fig.axes[:2]
+    assert len(ax_score.get_xticklabels()) == BLOCK and len(ax_ran.get_yticklabels()) == model.config.n_sublayers
+    plot.main(["routing", str(root / "router"), f"--out={tmp_path / 'r.png'}", "--text=ROMEO: hi", "--batches=1"])
+    assert (tmp_path / "r.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_routing_errors(mod_ckpts, tmp_path):
+    root = mod_ckpts[0]
+    for argv, match in ((["routing", str(root / "dense")], "routing draws a model trained with --mod=nag"),
+                        (["routing", str(root / "nag"), "--text=" + "a" * (BLOCK + 1)], "pass 1 to block_size=32"),
+                        (["routing", str(root / "nag"), "--text=€"], "outside the vocabulary"),
+                        (["routing", str(root / "nag"), str(root / "router")], "takes one out_dir"),
+                        (["routing", str(root / "nag"), "--batches=0"], "positive integer"),
+                        (["routing", str(tmp_path)], "no checkpoint at"),
+                        (["loss", str(root / "nag"), "--text=hi"], "apply to routing, not loss")):
+        with pytest.raises(ConfigError, match=match):
+            plot.main(argv)

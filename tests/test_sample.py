@@ -1,7 +1,7 @@
 """sample.py: KV-cache generation by default, tokens/s, and the realised MoD skip rate per sublayer.
 
 Checkpoints are written directly in train.py's format (run_config.save_checkpoint; what load_checkpoint and
-sample.load_codec read) from a tiny model trained for a few AdamW steps in-process: n_layer 2, n_embd 32.
+run_config.load_codec read) from a tiny model trained for a few AdamW steps in-process: n_layer 2, n_embd 32.
 """
 import re
 
@@ -53,7 +53,7 @@ def test_skip_rates_match_generate_stats(mod_ckpt, capsys):
     ckpt = run_config.load_checkpoint(str(mod_ckpt / "ckpt.pt"), torch.device("cpu"))
     model = GPT(GPTConfig(**ckpt["model_args"]))
     model.load_state_dict(ckpt["model"])
-    encode, _ = sample.load_codec(ckpt)
+    encode, _ = run_config.load_codec(ckpt)
     model.eval().generate(torch.tensor([encode("ROMEO:")]), 20, temperature=0)
     stats = model.generate_stats
     assert sample.skip_rate_line(stats["executed"], stats["tokens"]) in out.err
@@ -75,7 +75,7 @@ def test_dense_checkpoint_prints_no_skip_rates(data_dir, tmp_path, capsys):
 def test_kernels_is_a_run_setting(mod_ckpt, capsys, monkeypatch):
     """--kernels overrides the checkpoint's (here torch's references for the default auto): same text."""
     made = []
-    monkeypatch.setattr(sample, "GPT", lambda config: made.append(config) or GPT(config))
+    monkeypatch.setattr(run_config, "GPT", lambda config: made.append(config) or GPT(config))
     default = run_sample(mod_ckpt, capsys, "--temperature=0")
     torch_refs = run_sample(mod_ckpt, capsys, "--temperature=0", "--kernels=torch")
     assert [c.kernels for c in made] == ["auto", "torch"]
