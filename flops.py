@@ -243,16 +243,14 @@ def sweep_cells(sw):
 
 
 def sweep_runs(sw):
-    """Every run as (run name, cell name, overrides): each cell once per seed."""
+    """Every run as (run name, cell name, overrides): each cell once per seed, seed by seed (so an
+    interrupted sweep has every cell at its first seeds)."""
     if any(isinstance(s, bool) or not isinstance(s, int) for s in sw["seeds"]) or len(set(sw["seeds"])) < len(sw["seeds"]):
         raise ConfigError(f"seeds must be distinct integers such as [1, 2, 3], got {sw['seeds']!r}")
-    runs = []
-    for cell, overrides in sweep_cells(sw):
-        if sw["seeds"]:
-            runs += [(f"{cell}_s{s}", cell, {**overrides, "seed": s}) for s in sw["seeds"]]
-        else:
-            runs.append((cell, cell, dict(overrides)))
-    return runs
+    cells = sweep_cells(sw)
+    if not sw["seeds"]:
+        return [(cell, cell, dict(overrides)) for cell, overrides in cells]
+    return [(f"{cell}_s{s}", cell, {**overrides, "seed": s}) for s in sw["seeds"] for cell, overrides in cells]
 
 
 def override_args(overrides):

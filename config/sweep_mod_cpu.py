@@ -10,14 +10,14 @@ train_config = "config/shakespeare_char_cpu.py"
 train_args = ["--device=cpu", "--eval_interval=250", "--eval_iters=20", "--log_interval=250"]
 budget = 8.19e12  # 1000 iterations of dense 8-layer nag: 1.0667e7 training FLOPs/token x 768 tokens
 depths, residuals = [], []  # the cells are named below
-runs = [
+runs = [  # run seed by seed, each seed in this order
     ("nag_L8", {"residual": "nag", "n_layer": 8}),
-    ("nag_L8_mod0.125", {"residual": "nag", "n_layer": 8, "mod": "nag", "mod_rate": 0.125}),
     ("nag_L8_mod0.25", {"residual": "nag", "n_layer": 8, "mod": "nag", "mod_rate": 0.25}),
+    ("nag_L8_mod0.125", {"residual": "nag", "n_layer": 8, "mod": "nag", "mod_rate": 0.125}),
     ("nag_L6", {"residual": "nag", "n_layer": 6}),
     ("prenorm_L8", {"residual": "prenorm", "n_layer": 8}),
-    ("prenorm_L8_router0.125", {"residual": "prenorm", "n_layer": 8, "mod": "router", "mod_rate": 0.125}),
     ("prenorm_L8_router0.25", {"residual": "prenorm", "n_layer": 8, "mod": "router", "mod_rate": 0.25}),
+    ("prenorm_L8_router0.125", {"residual": "prenorm", "n_layer": 8, "mod": "router", "mod_rate": 0.125}),
 ]
 seeds = [1, 2, 3]
 jobs = 2

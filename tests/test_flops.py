@@ -334,21 +334,21 @@ def test_sweep_seeds_named_runs_and_parallel_jobs(data_dir, tmp_path, capsys, mo
     monkeypatch.setattr(flops.subprocess, "Popen", Counting)
     rows = flops.run_sweep(argv)
     assert most[0] == 2  # two at a time, never three
-    assert [(r["run"], r["cell"], r["seed"], r["status"]) for r in rows] == [
-        ("prenorm_L1_s1", "prenorm_L1", 1, "done"), ("prenorm_L1_s2", "prenorm_L1", 2, "done"),
-        ("wide_s1", "wide", 1, "done"), ("wide_s2", "wide", 2, "done")]
+    assert [(r["run"], r["cell"], r["seed"], r["status"]) for r in rows] == [  # seed by seed
+        ("prenorm_L1_s1", "prenorm_L1", 1, "done"), ("wide_s1", "wide", 1, "done"),
+        ("prenorm_L1_s2", "prenorm_L1", 2, "done"), ("wide_s2", "wide", 2, "done")]
     root = tmp_path / "s"
     for r in rows:  # each run trained with its own seed and the cell's overrides
         cfg = torch.load(root / r["run"] / "ckpt.pt", weights_only=False)["config"]
         assert (cfg["seed"], cfg["n_embd"]) == (r["seed"], 64 if r["cell"] == "wide" else 32)
-    assert rows[0]["val_loss"] != rows[1]["val_loss"]  # the seed changes the run
+    assert rows[0]["val_loss"] != rows[2]["val_loss"]  # the seed changes the run
     assert all(r["iters"] == 3 for r in rows)
-    assert rows[2]["params"] > rows[0]["params"] and rows[2]["args"] == "--n_embd=64" and rows[0]["args"] == ""
+    assert rows[1]["params"] > rows[0]["params"] and rows[1]["args"] == "--n_embd=64" and rows[0]["args"] == ""
     with open(root / "results.csv") as f:
         assert [(r["run"], r["seed"]) for r in csv.DictReader(f)] == [(r["run"], str(r["seed"])) for r in rows]
     table = (root / "results.md").read_text()
     assert table.startswith("each run at its max_iters; seeds 1, 2.")
-    for cell, pair in (("prenorm_L1", rows[:2]), ("wide", rows[2:])):  # mean ± sample std over the two seeds
+    for cell, pair in (("prenorm_L1", rows[0::2]), ("wide", rows[1::2])):  # mean ± sample std over the two seeds
         losses = [r["val_loss"] for r in pair]
         assert f"| {statistics.mean(losses):.4f} ± {statistics.stdev(losses):.4f} |" in table.split(f"| {cell} |")[1]
     assert (root / "results.png").stat().st_size > 0
