@@ -19,6 +19,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, so it runs on a headless box
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.colors import ListedColormap
 from matplotlib.ticker import MaxNLocator
 
 from configurator import ConfigError, configure
@@ -171,7 +172,9 @@ def routing(out_dir, text=None, batches=20):
     kind = "tangent a" if config.residual == "nag" else "router score r"
     fig, (ax_ran, ax_score) = plt.subplots(2, 1, figsize=(2.5 + 0.2 * len(ids), 2 + 0.5 * config.n_sublayers),
                                            sharex=True)
-    ax_ran.imshow(ran, cmap="Greys", vmin=0, vmax=1.6, aspect="auto", interpolation="nearest")
+    im_ran = ax_ran.imshow(ran, cmap=ListedColormap(["white", "dimgray"]), vmin=0, vmax=1, aspect="auto",
+                           interpolation="nearest")
+    fig.colorbar(im_ran, ax=ax_ran, ticks=[0.25, 0.75], fraction=0.03, pad=0.01).ax.set_yticklabels(["skipped", "ran"])
     im = ax_score.imshow(score, cmap="viridis", aspect="auto", interpolation="nearest")
     skipped = np.nonzero(~ran)
     ax_score.scatter(skipped[1], skipped[0], marker="x", s=12, color="red", linewidths=0.8, label="skipped")
@@ -184,8 +187,8 @@ def routing(out_dir, text=None, batches=20):
     ax_score.set_xticks(range(len(ids)), [token_label(decode([i])) for i in ids], fontsize=8, family="monospace")
     ax_score.legend(loc="upper right", fontsize=7)
     skip = 1 - ran[routed].mean()
-    ax_ran.set_title(f"{config.residual} + mod={config.mod} at mod_rate {config.mod_rate:g}: dark = the token "
-                     f"ran the sublayer ({skip:.0%} of the routed sublayers' tokens skipped here)", fontsize=10)
+    ax_ran.set_title(f"{config.residual} + mod={config.mod} {config.mod_rate:g}: {skip:.0%} of the routed "
+                     f"sublayers' tokens skipped here", fontsize=10)
     ax_score.set_title(f"{kind} (red x: skipped)", fontsize=10)
     fig.tight_layout()
     return fig, skip_table(model, val, ckpt["config"], decode, batches)
