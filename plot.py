@@ -122,18 +122,21 @@ def plot_loss(out_dirs):
 def table(out_dirs):
     """Markdown: per run, the final and best val loss, the stream growth with depth (RMS the head
     reads / RMS entering sublayer 1, and / RMS entering sublayer 3: the growth after the first block,
-    apart from the jump from a small embedding) and the mean step time."""
+    apart from the jump from a small embedding) and, for nag, gate health (mean |a| over the
+    sublayers, the dead branches: mean |a| < 0.05). Step times are left out: runs that share a
+    machine do not give comparable ones."""
     lines = ["| run | residual | sublayers | final val | best val | RMS head / RMS sublayer 1 "
-             "| RMS head / RMS sublayer 3 | ms/iter |",
+             "| RMS head / RMS sublayer 3 | nag gates: mean \\|a\\|, dead |",
              "|---|---|---|---|---|---|---|---|"]
     for d in out_dirs:
         recs = load_log(d)
         rows = pick(recs, d)["diagnostics"]
-        ms = [r["ms_per_iter"] for r in recs if r.get("tokens_per_s")]
+        gains = [r["gain"] for r in rows if "gain" in r]
+        gates = f"{sum(gains) / len(gains):.3f}, {rows[-1]['dead']:.0f} of {len(gains)}" if gains else "-"
         lines.append(f"| {os.path.basename(os.path.normpath(d))} | {recs[-1].get('residual', '?')} | {len(rows) - 1} "
                      f"| {recs[-1]['val_loss']:.4f} | {min(r['val_loss'] for r in recs):.4f} "
                      f"| {rows[-1]['rms'] / rows[0]['rms']:.2f} | {rows[-1]['rms'] / rows[min(2, len(rows) - 1)]['rms']:.2f} "
-                f"| {sum(ms) / max(len(ms), 1):.1f} |")
+                     f"| {gates} |")
     return "\n".join(lines)
 
 
@@ -230,7 +233,7 @@ def skip_table(model, val, cfg, decode, batches, show=8):
 COMMANDS = {"depth": "residual RMS and relative update size vs sublayer",
             "weights": "AttnRes depth-attention heat-map of one run",
             "loss": "val and train loss vs iter",
-            "table": "Markdown table: val loss, stream growth with depth, ms/iter",
+            "table": "Markdown table: val loss, stream growth with depth, nag's gate health",
             "routing": "which tokens of a passage ran which sublayer of a MoD checkpoint, and what skips most"}
 
 

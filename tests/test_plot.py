@@ -19,6 +19,7 @@ NAG = [{"sublayer": 1, "kind": "attn", "rms": 1.0, "alpha": 0.9, "m": 0.5, "angl
        {"sublayer": 3, "kind": "attn", "rms": 2.0, "alpha": 0.6, "m": 0.5, "angle": 0.2, "update": 0.3},
        {"sublayer": 4, "kind": "mlp", "rms": 3.0, "alpha": 0.5, "m": 0.5, "angle": 0.2, "update": 0.2},
        {"sublayer": 5, "kind": "head", "rms": 4.0}]
+NAG = [{**r, "gain": 0.1 * r["sublayer"]} for r in NAG[:-1]] + [{**NAG[-1], "dead": 1.0}]  # gate health
 ATTNRES = [{"sublayer": 1, "kind": "attn", "rms": 0.02, "update": 0.9},
            {"sublayer": 2, "kind": "mlp", "rms": 0.01, "depth_weights": [0.6, 0.4], "update": 1.3},
            {"sublayer": 3, "kind": "attn", "rms": 0.03, "depth_weights": [0.2, 0.3, 0.5], "update": 0.3},
@@ -122,6 +123,7 @@ def test_table(runs, tmp_path):
     assert nag[:6] == ["nag", "nag", "4", "2.7000", "2.7000", "4.00"]
     assert prenorm[5] == f"{0.6 / 0.1:.2f}"
     assert nag[6] == f"{4.0 / 2.0:.2f}" and prenorm[6] == f"{0.6 / 0.3:.2f}"  # growth after the first block
+    assert nag[7] == f"{(0.1 + 0.2 + 0.3 + 0.4) / 4:.3f}, 1 of 4" and prenorm[7] == "-"  # nag's gate health
 
 
 def test_command_line_errors(runs, tmp_path):
