@@ -703,11 +703,16 @@ def topk_route(score, k):
 
 def mask_route(keep, score=None):
     """Eval (and skip_middle): the tokens where keep [B, T] is True, in position order, padded to the
-    row that keeps most. How many that is depends on the data, so eager mode reads the counts (one
+    row that keeps most (keep a Python bool: one token, a KV-cache step, decided on the host). How many that is depends on the data, so eager mode reads the counts (one
     host sync) and runs only max(count) tokens per row. Under torch.compile the route keeps a static
     shape instead, padded to all T tokens: one graph, no sync and no recompilation, with the same
     results (padding sits after a row's kept tokens, so causal attention never reads it, and its
     write is discarded) but without the compute saving."""
+    if isinstance(keep, bool):
+        skip = None if keep else torch.zeros((1, 0), dtype=torch.long, device=score.device)
+        route = Route(skip, executed=int(keep))
+        route.score = route.gather_score(score)
+        return route
     B, T = keep.shape
     if torch.compiler.is_compiling():
         kmax, padded, executed = T, True, keep.sum()
@@ -770,7 +775,7 @@ class TopKMoD(nn.Module):
                     self.tau[u] = torch.where(old.isnan(), kth, self.tau_decay * old + (1 - self.tau_decay) * kth)
             self.learn(x, u, route, ctx)
         else:
-            route = mask_route(self.keep(x, u, score), score)
+            route = mask_route(self.keep(x, u, score, ctx), score)
         return self.finish(route)
 
     def dense_at_eval(self, u, ctx):
@@ -778,13 +783,17 @@ class TopKMoD(nn.Module):
         # where tau is nan, with no data-dependent branch)
         if torch.compiler.is_compiling():
             return False
-        if "tau_nan" not in ctx:
-            ctx["tau_nan"] = self.tau.isnan().tolist()
-        return ctx["tau_nan"][u]
+        if "tau" not in ctx:
+            ctx["tau"] = self.tau.tolist()
+        return math.isnan(ctx["tau"][u])
 
-    def keep(self, x, u, score):
-        tau = self.tau[u]
-        return (score >= tau) | tau.isnan()
+    def keep(self, x, u, score, ctx):
+        """Eval: score >= tau, [B, T] bool; for one token (a KV-cache step) a Python bool, from one
+        read of its score. Eager mode gets here only where dense_at_eval saw that tau is not nan."""
+        if torch.compiler.is_compiling():
+            tau = self.tau[u]
+            return (score >= tau) | tau.isnan()  # nan: never trained with routing, every token runs
+        return score.item() >= ctx["tau"][u] if score.numel() == 1 else score >= self.tau[u]
 
     def learn(self, x, u, route, ctx):
         pass
@@ -845,8 +854,11 @@ class RouterMoD(TopKMoD):
     def dense_at_eval(self, u, ctx):
         return self.rate == 0 if self.inference == "predictor" else super().dense_at_eval(u, ctx)
 
-    def keep(self, x, u, score):
-        return self.predict(x, u) > 0 if self.inference == "predictor" else super().keep(x, u, score)
+    def keep(self, x, u, score, ctx):
+        if self.inference != "predictor":
+            return super().keep(x, u, score, ctx)
+        run = self.predict(x, u) > 0
+        return bool(run) if run.numel() == 1 and not torch.compiler.is_compiling() else run
 
     def learn(self, x, u, route, ctx):
         if self.predictors is not None:

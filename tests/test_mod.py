@@ -367,7 +367,7 @@ def test_training_top_k_is_not_causal_which_is_why_eval_uses_tau(monkeypatch):
 # KV-cache generation
 
 GENERATE = [("none", "prenorm", {}), ("nag", "nag", {}), ("router", "prenorm", {}), ("router", "attnres", {}),
-            ("skip_middle", "sandwich", {})]
+            ("router", "prenorm", {"mod_inference": "threshold"}), ("skip_middle", "sandwich", {})]
 
 
 def cached_logits(model, idx, prefill):
