@@ -26,10 +26,12 @@ against `python bench.py baseline config/shakespeare_char_cpu.py` (nanoGPT's mod
 same config; see baseline_train), both cut to --max_iters, as whole processes in --pairs interleaved
 pairs: median wall times, their ratio, and each run's final val loss on the same eval batches.
 sample (not part of "all"): tokens/s of generate() with the KV cache, one batch-1 sequence, for the
-same mod=nag model run dense (thresholds off) and with its eval routing, in --pairs interleaved
-pairs; the model of --out_dir's checkpoint, or (no --out_dir) an 8-layer quickstart-width nag at
-mod_rate 0.25 whose thresholds a few training-mode forwards on random tokens set. Prints the time
-saved against the skipped fraction (target: saved >= 0.8 x skipped).
+same mod=nag model run dense (thresholds off), with its eval routing, and with every sublayer skipped
+(what a token costs that no sublayer can save: embedding, the scores, head, sampling), in --pairs
+interleaved pairs; the model of --out_dir's checkpoint, or (no --out_dir) a random nag at mod_rate 0.25,
+--layers deep (0: 8) and --width wide (128), whose thresholds a few training-mode forwards on random
+tokens set. Prints the time saved against the skipped fraction (target: saved >= 0.8 x skipped) and
+the most any routing of that skipped fraction could save, skipped x (1 - skip-all / dense).
 model and compile also print the saved-activation bytes (each storage once) relative to prenorm.
 Ratios measured in one run are what to compare: absolute times drift on a shared machine.
 """
@@ -55,8 +57,9 @@ from run_config import REPO, pick_device
 
 DEFAULTS = dict(section="all", device="auto", dtype="auto", compile=True, reps=0, batch_size=0,
                 pairs=3, max_iters=600,  # --section=quickstart: interleaved pairs of runs, iterations per run
-                layers=0,  # --section=model: the depth (0: 12 on a GPU, 4 on a CPU)
-                out_dir="", tokens=500,  # --section=sample: a mod=nag checkpoint ("" a random model), tokens per sample
+                layers=0,  # --section=model: the depth (0: 12 on a GPU, 4 on a CPU); sample: 0 = 8
+                out_dir="", tokens=500, width=128,  # --section=sample: a mod=nag checkpoint ("" a random model
+                # --layers deep, --width wide), tokens per sample
                 backend="inductor")  # backend: torch.compile's, for --section=compile
 
 
@@ -428,7 +431,7 @@ def bench_compile(device, dtype, reps, batch_size, backend="inductor", layers=4,
 # -----------------------------------------------------------------------------
 # sample: generation speed of one mod=nag model, dense against routed
 
-def sample_model(out_dir, device):
+def sample_model(out_dir, device, layers=8, width=128):
     """The mod=nag model to sample: out_dir's checkpoint, or a random one with thresholds set."""
     if out_dir:
         model = run_config.model_from_checkpoint(run_config.load_checkpoint(os.path.join(out_dir, "ckpt.pt"), device),
@@ -437,8 +440,10 @@ def sample_model(out_dir, device):
             raise ConfigError(f"{out_dir} is not a mod=nag model trained with routing (mod={model.config.mod}); "
                               f"pass the out_dir of a --mod=nag --mod_rate=0.25 run")
         return model
+    if width % 4 or width < 8:
+        raise ConfigError(f"--width={width}: the random model has 4 heads, so give a multiple of 4, >= 8")
     torch.manual_seed(0)
-    model = GPT(GPTConfig(residual="nag", mod="nag", mod_rate=0.25, n_layer=8, n_head=4, n_embd=128,
+    model = GPT(GPTConfig(residual="nag", mod="nag", mod_rate=0.25, n_layer=layers, n_head=4, n_embd=width,
                           block_size=64, vocab_size=65)).to(device)
     with torch.no_grad():  # training-mode forwards: top-k routing updates the thresholds tau (an EMA)
         for _ in range(20):
@@ -446,17 +451,19 @@ def sample_model(out_dir, device):
     return model.eval()
 
 
-def bench_sample(device, dtype, out_dir, tokens, pairs):
-    model = sample_model(out_dir, device)
-    tau, dense_tau = model.mod.tau.clone(), torch.full_like(model.mod.tau, float("nan"))  # nan: every token runs
+def bench_sample(device, dtype, out_dir, tokens, pairs, layers=0, width=128):
+    model = sample_model(out_dir, device, layers or 8, width)
+    tau = model.mod.tau.clone()
+    variants = {"dense": torch.full_like(tau, float("nan")),  # nan: every token runs
+                "routed": tau, "skip_all": torch.full_like(tau, float("inf"))}  # no score reaches inf
     c = model.config
     print(f"\n## Sampling with a KV cache: {out_dir or 'a random model, thresholds set on random tokens'} "
           f"({c.n_layer} layers, {c.n_embd} wide, mod=nag at mod_rate {c.mod_rate:g}), {tokens} tokens per "
-          f"sample, batch 1, {pairs} interleaved pairs")
-    times, skipped = {"dense": [], "routed": []}, []
+          f"sample, batch 1, {pairs} interleaved triples")
+    times, skipped = {name: [] for name in variants}, {name: [] for name in variants}
     for _ in range(pairs):
-        for name in ("dense", "routed"):
-            model.mod.tau.copy_(dense_tau if name == "dense" else tau)
+        for name, t in variants.items():
+            model.mod.tau.copy_(t)
             torch.manual_seed(1)
             prompt = torch.zeros((1, 1), dtype=torch.long, device=device)
             t0 = time.perf_counter()
@@ -465,19 +472,22 @@ def bench_sample(device, dtype, out_dir, tokens, pairs):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times[name].append(time.perf_counter() - t0)
-            if name == "routed":
-                stats = model.generate_stats
-                skipped.append(1 - sum(stats["executed"]) / (len(stats["executed"]) * stats["tokens"]))
+            stats = model.generate_stats
+            skipped[name].append(1 - sum(stats["executed"]) / (len(stats["executed"]) * stats["tokens"]))
     model.mod.tau.copy_(tau)
-    dense, routed = statistics.median(times["dense"]), statistics.median(times["routed"])
-    skip, saved = statistics.mean(skipped), 1 - routed / dense
+    t = {name: statistics.median(v) for name, v in times.items()}
+    skip = {name: statistics.mean(v) for name, v in skipped.items()}
+    saved, bound = 1 - t["routed"] / t["dense"], skip["routed"] * (1 - t["skip_all"] / t["dense"])
     print("| routing | tokens/s | skipped (realised) |")
     print("|---|---|---|")
-    print(f"| dense (thresholds off) | {tokens / dense:.0f} | 0 |")
-    print(f"| mod=nag eval routing | {tokens / routed:.0f} | {skip:.3f} |")
-    print(f"time per token routed / dense = {routed / dense:.3f}x: saved {saved:.1%} for {skip:.1%} skipped "
-          f"(target: saved >= 0.8 x skipped = {0.8 * skip:.1%}: {'met' if saved >= 0.8 * skip else 'not met'})")
-    return {("sample", "dense"): dense / tokens, ("sample", "routed"): routed / tokens}
+    for name, label in (("dense", "dense (thresholds off)"), ("routed", "mod=nag eval routing"),
+                        ("skip_all", "every sublayer skipped")):
+        print(f"| {label} | {tokens / t[name]:.0f} | {skip[name]:.3f} |")
+    print(f"time per token routed / dense = {t['routed'] / t['dense']:.3f}x: saved {saved:.1%} for {skip['routed']:.1%} "
+          f"skipped (target: saved >= 0.8 x skipped = {0.8 * skip['routed']:.1%}: "
+          f"{'met' if saved >= 0.8 * skip['routed'] else 'not met'}); at most {bound:.1%} at this shape: a token's "
+          f"cost with every sublayer skipped is {t['skip_all'] / t['dense']:.1%} of a dense one")
+    return {("sample", name): v / tokens for name, v in t.items()}
 
 
 def main(argv=None):
@@ -504,7 +514,8 @@ def main(argv=None):
     if cfg["section"] == "quickstart":  # not in "all": whole training runs
         times.update(bench_quickstart(cfg["pairs"], cfg["max_iters"]))
     if cfg["section"] == "sample":  # not in "all"
-        times.update(bench_sample(device, dtype, cfg["out_dir"], cfg["tokens"], cfg["pairs"]))
+        times.update(bench_sample(device, dtype, cfg["out_dir"], cfg["tokens"], cfg["pairs"], cfg["layers"],
+                                   cfg["width"]))
     return times
 
 

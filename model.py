@@ -709,8 +709,9 @@ def mask_route(keep, score=None):
     results (padding sits after a row's kept tokens, so causal attention never reads it, and its
     write is discarded) but without the compute saving."""
     if isinstance(keep, bool):
-        skip = None if keep else torch.zeros((1, 0), dtype=torch.long, device=score.device)
-        route = Route(skip, executed=int(keep))
+        if not keep:  # an empty route: the sublayer is skipped, nothing reads its score
+            return Route(score.new_zeros((1, 0), dtype=torch.long), executed=0)
+        route = Route(None, executed=1)
         route.score = route.gather_score(score)
         return route
     B, T = keep.shape

@@ -96,6 +96,19 @@ def test_bench_sample_times_dense_and_routed(capsys):
     skipped = float(rows["mod=nag eval routing"][1])
     assert 0.05 < skipped < 0.6  # thresholds set at mod_rate 0.25 skip some tokens
     assert f"routed / dense = {routed / dense:.3f}x: saved {1 - routed / dense:.1%} for {skipped:.1%}" in out
+    skip_all = times[("sample", "skip_all")]  # what no routing can save: embedding, scores, head, sampling
+    assert rows["every sublayer skipped"][0].strip() == f"{1 / skip_all:.0f}"
+    assert rows["every sublayer skipped"][1].strip() == "1.000"
+    assert f"at most {skipped * (1 - skip_all / dense):.1%} at this shape" in out
+    assert f"skipped is {skip_all / dense:.1%} of a dense one" in out
+
+
+def test_bench_sample_random_model_shape(capsys):
+    """--layers and --width shape the random model; a width the 4 heads cannot split is a one-line error."""
+    bench.main(["--section=sample", "--device=cpu", "--tokens=2", "--pairs=1", "--layers=2", "--width=32"])
+    assert "(2 layers, 32 wide, mod=nag at mod_rate 0.25)" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="multiple of 4"):
+        bench.main(["--section=sample", "--device=cpu", "--tokens=2", "--pairs=1", "--width=30"])
 
 
 def test_baseline_model_is_nanogpts():
