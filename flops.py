@@ -420,13 +420,13 @@ def write_results(root, runs, cfgs, status, budget):
     with open(os.path.join(root, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     if any(c["n"] for c in cells):
-        plot_results(cells, budget).savefig(os.path.join(root, "results.png"), dpi=120)
+        plot_results(cells, budget, os.path.join(root, "results.png"))
     return rows
 
 
-def plot_results(cells, budget):
-    """Final val loss, mean ± std over seeds (error bars) and each seed (dots): per cell; against depth
-    when the sweep has several; against mod_rate when it has MoD cells."""
+def plot_results(cells, budget, path):
+    """Write to path: final val loss, mean ± std over seeds (error bars) and each seed (dots): per cell;
+    against depth when the sweep has several; against mod_rate when it has MoD cells."""
     import matplotlib
     matplotlib.use("Agg")  # files only, so it runs on a headless box
     import matplotlib.pyplot as plt
@@ -476,7 +476,8 @@ def plot_results(cells, budget):
         a.grid(alpha=0.3)
         a.legend(fontsize=7)
     fig.tight_layout()
-    return fig
+    fig.savefig(path, dpi=120)
+    plt.close(fig)  # written after every finished run: pyplot would keep each figure alive otherwise
 
 
 def main(argv):

@@ -352,6 +352,8 @@ def test_sweep_seeds_named_runs_and_parallel_jobs(data_dir, tmp_path, capsys, mo
         losses = [r["val_loss"] for r in pair]
         assert f"| {statistics.mean(losses):.4f} ± {statistics.stdev(losses):.4f} |" in table.split(f"| {cell} |")[1]
     assert (root / "results.png").stat().st_size > 0
+    import matplotlib.pyplot as plt
+    assert plt.get_fignums() == []  # the figure written after each run is closed, not kept alive
     # a rerun skips every finished run; a bad key or seed list fails before anything runs
     capsys.readouterr()
     flops.run_sweep(argv)
