@@ -2,7 +2,7 @@
 # every run trains on the FLOPs of 1000 iterations of the dense 8-layer nag, so a MoD run, cheaper per
 # token, trains on more tokens (top-k training runs exactly its capacity: the FLOP count is realised).
 # nag: dense, mod=nag at 0.125 and 0.25, and a dense 6-layer nag (about the FLOPs per token of 8 layers
-# at 0.25); prenorm: dense and mod=router at the same rates. 3 seeds, 21 runs, about 1.5 hours on 2 cores:
+# at 0.25); prenorm: dense and mod=router at the same rates. 3 seeds, 21 runs, 37 minutes on 2 cores (measured):
 # OMP_NUM_THREADS=1 python flops.py sweep config/sweep_mod_cpu.py
 
 sweep_name = "sweep_mod_cpu"
