@@ -2,7 +2,7 @@
 # sandwich + mod=skip_middle at 8 layers against dense sandwich at 6 and 8 layers, each on the FLOPs
 # of 1000 iterations of the dense 8-layer sandwich. skip_middle's iterations come from its dense count
 # (its gates decide what it skips), so it spends at most the budget; results.md has the realised FLOPs.
-# 3 seeds, 9 runs, about 40 minutes on 2 cores:
+# 3 seeds, 9 runs, about 10 minutes on 2 cores (measured; each run about 2 minutes on one core):
 # OMP_NUM_THREADS=1 python flops.py sweep config/sweep_skip_middle_cpu.py
 
 sweep_name = "sweep_skip_middle_cpu"
