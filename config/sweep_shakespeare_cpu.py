@@ -1,5 +1,6 @@
-# An iso-FLOP depth sweep on character-level Shakespeare that runs on 2 CPU cores in about half an
-# hour: width 128, 2/4/8 layers, three residual modes, each run trained on the same 5e12 FLOPs.
+# An iso-FLOP depth sweep on character-level Shakespeare: width 128, 2/4/8 layers, three residual
+# modes and nag with mod=nag at 0.25, each run trained on the same 5e12 FLOPs. 12 cells x 3 seeds,
+# 36 runs, two at a time:
 # OMP_NUM_THREADS=1 python flops.py sweep config/sweep_shakespeare_cpu.py
 
 sweep_name = "sweep_shakespeare_cpu"
@@ -9,3 +10,5 @@ budget = 5e12  # 1250 iterations at 4 layers: the quickstart's 2000 iterations c
 depths = [2, 4, 8]
 residuals = ["prenorm", "nag", "block_attnres"]
 mod_runs = [("nag", "nag", 0.25)]  # nag with mod=nag at mod_rate 0.25, at every depth
+seeds = [1, 2, 3]
+jobs = 2
