@@ -5,6 +5,7 @@ Plot nanodepth runs from the log.jsonl that train.py appends to in each out_dir.
     python plot.py weights out-attnres [--iter=N] [--out=weights.png]       # AttnRes depth-attention heat-map
     python plot.py loss out-nag out-prenorm [--out=loss.png]                # val (solid) and train (dashed) loss
     python plot.py table out-nag out-prenorm [--out=table.md]               # Markdown table of the runs
+    python plot.py table out/sweep_depth16_cpu/*                            # ... and mean ± std per sweep cell
     python plot.py routing out-mod [--text=...] [--out=routing.png]          # which token ran which sublayer
 
 The command comes first, then the runs' out_dirs, then --key=value options (the configurator's rules:
@@ -119,24 +120,59 @@ def plot_loss(out_dirs):
     return fig
 
 
+def run_figures(out_dir):
+    """One run's figures for the table: final and best val loss, the stream growth with depth (RMS the
+    head reads / RMS entering sublayer 1, and / RMS entering sublayer 3: the growth after the first
+    block, apart from the jump from a small embedding) and, for nag, gate health (mean |a| over the
+    sublayers, and the dead branches: mean |a| < 0.05)."""
+    recs = load_log(out_dir)
+    rows = pick(recs, out_dir)["diagnostics"]
+    gains = [r["gain"] for r in rows if "gain" in r]
+    return {"run": os.path.basename(os.path.normpath(out_dir)), "residual": recs[-1].get("residual", "?"),
+            "sublayers": len(rows) - 1, "final": recs[-1]["val_loss"], "best": min(r["val_loss"] for r in recs),
+            "growth1": rows[-1]["rms"] / rows[0]["rms"], "growth3": rows[-1]["rms"] / rows[min(2, len(rows) - 1)]["rms"],
+            "gain": sum(gains) / len(gains) if gains else None, "dead": rows[-1]["dead"] if gains else None}
+
+
+def seed_cell(run):
+    """The cell a sweep run belongs to: its name without the `_s<seed>` that flops.py sweep appends."""
+    head, _, seed = run.rpartition("_s")
+    return head if head and seed.isdigit() else None
+
+
+def mean_pm(values, spec):
+    """mean ± sample std (n - 1) of values, formatted with spec."""
+    m = float(np.mean(values))
+    return f"{m:{spec}} ± {float(np.std(values, ddof=1)):{spec}}" if len(values) > 1 else f"{m:{spec}}"
+
+
 def table(out_dirs):
-    """Markdown: per run, the final and best val loss, the stream growth with depth (RMS the head
-    reads / RMS entering sublayer 1, and / RMS entering sublayer 3: the growth after the first block,
-    apart from the jump from a small embedding) and, for nag, gate health (mean |a| over the
-    sublayers, the dead branches: mean |a| < 0.05). Step times are left out: runs that share a
-    machine do not give comparable ones."""
+    """Markdown: a row per run (run_figures). Step times are left out: runs that share a machine do not
+    give comparable ones. Where runs are seeds of one sweep cell (`<cell>_s<seed>`), a second table
+    gives each such cell's mean ± sample std over its seeds."""
+    runs = [run_figures(d) for d in out_dirs]
     lines = ["| run | residual | sublayers | final val | best val | RMS head / RMS sublayer 1 "
              "| RMS head / RMS sublayer 3 | nag gates: mean \\|a\\|, dead |",
              "|---|---|---|---|---|---|---|---|"]
-    for d in out_dirs:
-        recs = load_log(d)
-        rows = pick(recs, d)["diagnostics"]
-        gains = [r["gain"] for r in rows if "gain" in r]
-        gates = f"{sum(gains) / len(gains):.3f}, {rows[-1]['dead']:.0f} of {len(gains)}" if gains else "-"
-        lines.append(f"| {os.path.basename(os.path.normpath(d))} | {recs[-1].get('residual', '?')} | {len(rows) - 1} "
-                     f"| {recs[-1]['val_loss']:.4f} | {min(r['val_loss'] for r in recs):.4f} "
-                     f"| {rows[-1]['rms'] / rows[0]['rms']:.2f} | {rows[-1]['rms'] / rows[min(2, len(rows) - 1)]['rms']:.2f} "
-                     f"| {gates} |")
+    for r in runs:
+        gates = f"{r['gain']:.3f}, {r['dead']:.0f} of {r['sublayers']}" if r["gain"] is not None else "-"
+        lines.append(f"| {r['run']} | {r['residual']} | {r['sublayers']} | {r['final']:.4f} | {r['best']:.4f} "
+                     f"| {r['growth1']:.2f} | {r['growth3']:.2f} | {gates} |")
+    cells = {}
+    for r in runs:
+        if seed_cell(r["run"]):
+            cells.setdefault(seed_cell(r["run"]), []).append(r)
+    cells = {c: rs for c, rs in cells.items() if len(rs) > 1}
+    if cells:
+        lines += ["", "Per cell, mean ± sample std over its seeds:", "",
+                  "| cell | seeds | final val | best val | RMS head / RMS sublayer 1 | RMS head / RMS sublayer 3 "
+                  "| nag gates: mean \\|a\\|, dead |", "|---|---|---|---|---|---|---|"]
+        for c, rs in cells.items():
+            gates = "-" if rs[0]["gain"] is None else (f"{mean_pm([r['gain'] for r in rs], '.3f')}, "
+                                                       f"{mean_pm([r['dead'] for r in rs], '.1f')} of {rs[0]['sublayers']}")
+            lines.append(f"| {c} | {len(rs)} | {mean_pm([r['final'] for r in rs], '.4f')} "
+                         f"| {mean_pm([r['best'] for r in rs], '.4f')} | {mean_pm([r['growth1'] for r in rs], '.2f')} "
+                         f"| {mean_pm([r['growth3'] for r in rs], '.2f')} | {gates} |")
     return "\n".join(lines)
 
 

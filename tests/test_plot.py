@@ -126,6 +126,26 @@ def test_table(runs, tmp_path):
     assert nag[7] == f"{(0.1 + 0.2 + 0.3 + 0.4) / 4:.3f}, 1 of 4" and prenorm[7] == "-"  # nag's gate health
 
 
+def test_table_per_cell_over_seeds(tmp_path):
+    """Runs named <cell>_s<seed> (flops.py sweep's names) get a second table, one row per cell with two or
+    more seeds: mean ± sample std of each figure; other runs are in the per-run table only."""
+    seed2 = [{**r, "gain": r["gain"] * 2} if "gain" in r else {**r, "rms": 6.0, "dead": 3.0} for r in NAG]
+    dirs = [write_run(tmp_path, "nag_L2_s1", "nag", NAG), write_run(tmp_path, "nag_L2_s2", "nag", seed2),
+            write_run(tmp_path, "prenorm_L2_s1", "prenorm", PRENORM), write_run(tmp_path, "prenorm", "prenorm", PRENORM)]
+    log = tmp_path / "nag_L2_s2" / "log.jsonl"  # seed 2 ends at val 2.5 instead of 2.7
+    log.write_text(log.read_text().replace('"val_loss": 2.7', '"val_loss": 2.5'))
+    text = plot.main(["table", *dirs])
+    per_run, per_cell = text.split("Per cell")
+    assert len([line for line in per_run.splitlines() if line.startswith("| ") and "---" not in line]) == 1 + 4
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in per_cell.splitlines() if line.startswith("| ")]
+    assert [row[0] for row in cells[1:]] == ["nag_L2"]  # prenorm_L2 has one seed, prenorm none
+    std = lambda a, b: abs(a - b) / 2 ** 0.5  # noqa: E731  (sample std of two values)
+    gain1, gain2 = 0.25, 0.5  # mean |a| of NAG's gains 0.1..0.4, and twice that
+    assert cells[1] == ["nag_L2", "2", f"{2.6:.4f} ± {std(2.7, 2.5):.4f}", f"{2.6:.4f} ± {std(2.7, 2.5):.4f}",
+                        f"{(4.0 + 6.0) / 2:.2f} ± {std(4.0, 6.0):.2f}", f"{(2.0 + 3.0) / 2:.2f} ± {std(2.0, 3.0):.2f}",
+                        f"{(gain1 + gain2) / 2:.3f} ± {std(gain1, gain2):.3f}, {2.0:.1f} ± {std(1.0, 3.0):.1f} of 4"]
+
+
 def test_command_line_errors(runs, tmp_path):
     """The configurator's rules: the command first, then out_dirs, then known --key=value options."""
     with pytest.raises(ConfigError, match="first argument is the command"):
