@@ -281,6 +281,8 @@ def main(argv):
     cmd, out_dirs = argv[0], [a for a in argv[1:] if not a.startswith("--")]
     cfg = configure([a for a in argv[1:] if a.startswith("--")], DEFAULTS)
     single = cmd in ("weights", "routing")
+    if not single:  # files are skipped, so that a sweep's out/<sweep>/* can be passed whole (its results.*)
+        out_dirs = [d for d in out_dirs if not os.path.isfile(d)]
     if not out_dirs or (single and len(out_dirs) > 1):
         raise ConfigError(f"plot.py {cmd} takes {'one out_dir' if single else 'one or more out_dirs'}, "
                           f"got {len(out_dirs)}")

@@ -134,7 +134,8 @@ def test_table_per_cell_over_seeds(tmp_path):
             write_run(tmp_path, "prenorm_L2_s1", "prenorm", PRENORM), write_run(tmp_path, "prenorm", "prenorm", PRENORM)]
     log = tmp_path / "nag_L2_s2" / "log.jsonl"  # seed 2 ends at val 2.5 instead of 2.7
     log.write_text(log.read_text().replace('"val_loss": 2.7', '"val_loss": 2.5'))
-    text = plot.main(["table", *dirs])
+    (tmp_path / "results.csv").write_text("run\n")  # a sweep's own files beside its runs are skipped
+    text = plot.main(["table", *dirs, str(tmp_path / "results.csv")])
     per_run, per_cell = text.split("Per cell")
     assert len([line for line in per_run.splitlines() if line.startswith("| ") and "---" not in line]) == 1 + 4
     cells = [[c.strip() for c in line.split("|")[1:-1]] for line in per_cell.splitlines() if line.startswith("| ")]
