@@ -33,7 +33,6 @@ Training = 3 x forward (backward = 2 x forward).
 """
 
 import csv
-import math
 import os
 import re
 import subprocess
@@ -250,7 +249,7 @@ def sweep_runs(sw):
     cells = sweep_cells(sw)
     if not sw["seeds"]:
         return [(cell, cell, dict(overrides)) for cell, overrides in cells]
-    return [(f"{cell}_s{s}", cell, {**overrides, "seed": s}) for s in sw["seeds"] for cell, overrides in cells]
+    return [(run_config.seed_run(cell, s), cell, {**overrides, "seed": s}) for s in sw["seeds"] for cell, overrides in cells]
 
 
 def override_args(overrides):
@@ -359,13 +358,6 @@ def _sweep(sw, root, runs, base_argv, cfgs):
     return write_results(root, runs, cfgs, status, sw["budget"])
 
 
-def mean_std(values):
-    """Mean and sample standard deviation (n - 1; None for a single value) of a list of numbers."""
-    n = len(values)
-    mean = sum(values) / n
-    return mean, (math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else None)
-
-
 def aggregate(rows):
     """One entry per cell, over its finished runs (the seeds): counts, and mean and std of the losses."""
     cells = {}
@@ -380,7 +372,7 @@ def aggregate(rows):
         for k in ("val_loss", "best_val_loss", "iters", "train_flops_per_token", "eval_flops_per_token",
                   "exec_train", "exec_eval", "seconds"):
             vals = [r[k] for r in done if r.get(k) is not None]
-            agg[k], agg[k + "_std"] = mean_std(vals) if vals else (None, None)
+            agg[k], agg[k + "_std"] = run_config.mean_std(vals) if vals else (None, None)
         out.append(agg)
     return out
 

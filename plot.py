@@ -24,7 +24,8 @@ from matplotlib.colors import ListedColormap
 from matplotlib.ticker import MaxNLocator
 
 from configurator import ConfigError, configure
-from run_config import EVAL_SEED, get_batch, load_checkpoint, load_codec, load_log, model_from_checkpoint
+from run_config import (EVAL_SEED, get_batch, load_checkpoint, load_codec, load_log, mean_std, model_from_checkpoint,
+                        seed_cell)
 
 DEFAULTS = dict(
     iter=None,  # depth, weights: the eval at this iter (None: the last one with diagnostics)
@@ -134,16 +135,10 @@ def run_figures(out_dir):
             "gain": sum(gains) / len(gains) if gains else None, "dead": rows[-1]["dead"] if gains else None}
 
 
-def seed_cell(run):
-    """The cell a sweep run belongs to: its name without the `_s<seed>` that flops.py sweep appends."""
-    head, _, seed = run.rpartition("_s")
-    return head if head and seed.isdigit() else None
-
-
 def mean_pm(values, spec):
-    """mean ± sample std (n - 1) of values, formatted with spec."""
-    m = float(np.mean(values))
-    return f"{m:{spec}} ± {float(np.std(values, ddof=1)):{spec}}" if len(values) > 1 else f"{m:{spec}}"
+    """mean ± sample std of values (run_config.mean_std), formatted with spec."""
+    mean, std = mean_std(values)
+    return f"{mean:{spec}}" + ("" if std is None else f" ± {std:{spec}}")
 
 
 def table(out_dirs):
@@ -160,8 +155,8 @@ def table(out_dirs):
                      f"| {r['growth1']:.2f} | {r['growth3']:.2f} | {gates} |")
     cells = {}
     for r in runs:
-        if seed_cell(r["run"]):
-            cells.setdefault(seed_cell(r["run"]), []).append(r)
+        cells.setdefault(seed_cell(r["run"]), []).append(r)
+    cells.pop(None, None)  # runs not named <cell>_s<seed>
     cells = {c: rs for c, rs in cells.items() if len(rs) > 1}
     if cells:
         lines += ["", "Per cell, mean ± sample std over its seeds:", "",

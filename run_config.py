@@ -217,6 +217,24 @@ def load_codec(ckpt):
 
 
 
+def seed_run(cell, seed):
+    """A sweep run's name: its cell and seed (flops.py sweep names its out_dirs so)."""
+    return f"{cell}_s{seed}"
+
+
+def seed_cell(run):
+    """The cell of a run named by seed_run, or None for any other name."""
+    cell, _, seed = run.rpartition("_s")
+    return cell if cell and seed.isdigit() else None
+
+
+def mean_std(values):
+    """Mean and sample standard deviation (n - 1; None for a single value) of a list of numbers."""
+    n = len(values)
+    mean = sum(values) / n
+    return mean, ((sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5 if n > 1 else None)
+
+
 def load_log(out_dir):
     """The records of out_dir/log.jsonl (train.py appends one per eval), sorted by iter."""
     path = os.path.join(out_dir, "log.jsonl")
