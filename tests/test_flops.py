@@ -323,6 +323,8 @@ def test_sweep_seeds_named_runs_and_parallel_jobs(data_dir, tmp_path, capsys, mo
     argv = [f"--train_config={base}", f"--out_root={tmp_path}", "--sweep_name=s", "--residuals=['prenorm']",
             "--depths=[1]", "--budget=None", "--train_args=['--max_iters=3']", "--seeds=[1, 2]", "--jobs=2",
             "--runs=[('wide', {'residual': 'prenorm', 'n_layer': 1, 'n_embd': 64})]"]
+    import matplotlib.pyplot as plt
+    open_before = set(plt.get_fignums())  # figures other tests in this process left open
     live, most = [], [0]
 
     class Counting(subprocess.Popen):  # how many train.py processes run at once
@@ -352,8 +354,7 @@ def test_sweep_seeds_named_runs_and_parallel_jobs(data_dir, tmp_path, capsys, mo
         losses = [r["val_loss"] for r in pair]
         assert f"| {statistics.mean(losses):.4f} ± {statistics.stdev(losses):.4f} |" in table.split(f"| {cell} |")[1]
     assert (root / "results.png").stat().st_size > 0
-    import matplotlib.pyplot as plt
-    assert plt.get_fignums() == []  # the figure written after each run is closed, not kept alive
+    assert set(plt.get_fignums()) == open_before  # the figure written after each run is closed, not kept alive
     # a rerun skips every finished run; a bad key or seed list fails before anything runs
     capsys.readouterr()
     flops.run_sweep(argv)
