@@ -76,6 +76,15 @@ def acc_dtype(x):
     return torch.promote_types(x.dtype, torch.float32)
 
 
+def cast(t, dtype):
+    """t in dtype: t itself when it already is, never a no-op t.to(dtype) / t.type_as(x).
+    An autograd.Function's forward must return a tensor that a plain out-of-place op made: under
+    torch 2.11's Dynamo, a forward whose output is an alias (a no-op .to) or was updated in place
+    (an addcmul_ into it) loses its backward, and every input's gradient comes back zero (torch
+    2.13 is right). tests/test_compile.py::test_compiled_equals_eager pins it; .ci/compat runs it on 2.11."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def fp32_math(x):
     """Autocast off inside a reference: its statistics and matvecs stay in fp32 under bf16 autocast."""
     return torch.autocast(x.device.type, enabled=False)
@@ -214,10 +223,10 @@ class RMSNormTorch(torch.autograd.Function):
     def forward(ctx, x, weight, eps):
         xf = upcast(x)
         inv = _rms_stats(xf, eps)
-        x_hat = (xf * inv).type_as(x)
+        x_hat = cast(xf * inv, x.dtype)
         ctx.save_for_backward(x_hat, weight, inv)
         # in x's dtype, as the kernel and the op (a bf16 x and an fp32 weight give bf16)
-        return (x_hat * weight).type_as(x) if weight is not None else x_hat
+        return cast(x_hat * weight, x.dtype) if weight is not None else x_hat
 
     @staticmethod
     def backward(ctx, grad):
@@ -597,8 +606,8 @@ def depth_attention_fwd_torch(sources: list[Tensor], query: Tensor, norm_weight:
         w = torch.exp(z - lse).unsqueeze(-1)
         mix = sources[0] * w[0]  # fp32: the weighted sum accumulates in fp32, one source at a time
         for v, w_s in zip(sources[1:], w.unbind(0)[1:]):
-            mix.addcmul_(v, w_s)
-        return mix.to(sources[0].dtype), lse
+            mix = torch.addcmul(mix, v, w_s)  # not in place: DepthAttentionTorch returns it (see cast)
+        return cast(mix, sources[0].dtype), lse
 
 
 def depth_attention_bwd_torch(sources: list[Tensor], query: Tensor, norm_weight: Tensor, lse: Tensor,

@@ -76,6 +76,14 @@ def test_references_compile_away(residual):
     assert recorder.ops() == set()
 
 
+MOD_CASES = {
+    "nag": dict(residual="nag", mod="nag", mod_rate=0.25),
+    "router": dict(residual="prenorm", mod="router", mod_rate=0.25, mod_inference="threshold"),
+    "router-attnres": dict(residual="attnres", mod="router", mod_rate=0.5),
+    "skip_middle": dict(residual="sandwich", mod="skip_middle", mod_rate=0.25),
+}
+
+
 def loss_and_grads(model, run, idx):
     model.zero_grad(set_to_none=True)
     logits, loss = run(idx, idx)
@@ -83,11 +91,17 @@ def loss_and_grads(model, run, idx):
     return logits, loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("residual,kernels", [(r, "triton") for r in RESIDUALS] + [("attnres", "torch"), ("nag", "torch")])
-def test_compiled_equals_eager(residual, kernels):
-    """AOTAutograd traces the ops' fake implementations and registered backwards (aot_eager): the
-    compiled forward and backward must give eager's loss and every gradient."""
-    model = make_model(residual=residual, kernels=kernels)
+CASES = {**{r: dict(residual=r) for r in RESIDUALS}, **{f"mod-{c}": kw for c, kw in MOD_CASES.items()}}
+
+
+@pytest.mark.parametrize("case,kernels", [(c, k) for c in CASES for k in ("torch", "triton")
+                                           if not (c.startswith("mod-") and k == "triton")])
+def test_compiled_equals_eager(case, kernels):
+    """Every residual mode on both kernel paths, MoD on the references: AOTAutograd traces the ops' fake implementations and registered
+    backwards (triton), or the references' autograd.Functions (torch), and the compiled forward and
+    backward must give eager's loss and every gradient. (On torch 2.11 the references' gradients
+    upstream of a norm came back zero: kernels.cast.)"""
+    model = make_model(**CASES[case], kernels=kernels)
     idx = batch()
     logits_e, loss_e, grads_e = loss_and_grads(model, model, idx)
     logits_c, loss_c, grads_c = loss_and_grads(model, torch.compile(model, backend="aot_eager", fullgraph=True), idx)
@@ -108,14 +122,6 @@ def test_compiled_eval_equals_eager(residual):
         logits_c, loss_c = torch.compile(model, backend=Recorder(), fullgraph=True)(batch(), batch())
     torch.testing.assert_close(logits_c, logits_e, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-6, atol=0)
-
-
-MOD_CASES = {
-    "nag": dict(residual="nag", mod="nag", mod_rate=0.25),
-    "router": dict(residual="prenorm", mod="router", mod_rate=0.25, mod_inference="threshold"),
-    "router-attnres": dict(residual="attnres", mod="router", mod_rate=0.5),
-    "skip_middle": dict(residual="sandwich", mod="skip_middle", mod_rate=0.25),
-}
 
 
 @pytest.mark.parametrize("case", list(MOD_CASES))
@@ -213,3 +219,33 @@ def test_every_mode_trains_under_bf16_autocast(residual):
     assert grads_k.keys() == grads_t.keys()
     for name in grads_t:  # bf16 rounding of the stream differs a little between the two paths
         torch.testing.assert_close(grads_k[name], grads_t[name], rtol=5e-2, atol=5e-3, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kernel", ["rms_norm", "rms_norm_no_weight", "depth_attention"])
+def test_reference_autograd_functions_compile_with_their_backward(kernel, dtype):
+    """The references' hand-written autograd.Functions (RMSNormTorch, DepthAttentionTorch) alone
+    under torch.compile (aot_eager): each input's gradient equals eager's. On torch 2.11 a forward
+    that returned a no-op .to() or a tensor updated in place gave every input a zero gradient."""
+    from kernels import depth_attention, rms_norm
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 24, generator=gen).to(dtype).requires_grad_()
+    q, w = (torch.randn(24, generator=gen).requires_grad_() for _ in range(2))
+    coef = torch.randn(2, 5, 24, generator=gen)  # a loss whose gradient is not symmetric
+    if kernel == "depth_attention":
+        def f(x, q, w):
+            return depth_attention([x, torch.tanh(x), x.square()], q, w, impl="torch")
+    else:
+        def f(x, q, w):
+            return rms_norm(x * q.to(dtype), None if kernel == "rms_norm_no_weight" else w, impl="torch")
+    grads = []
+    for run in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
+        (run(x, q, w).float() * coef).sum().backward()
+        grads.append([t.grad.clone() for t in (x, q, w) if t.grad is not None])
+        for t in (x, q, w):
+            t.grad = None
+    eager, compiled = grads
+    assert len(compiled) == len(eager) == (2 if kernel == "rms_norm_no_weight" else 3)
+    for g_c, g_e in zip(compiled, eager):
+        assert g_e.abs().max() > 0.1  # a gradient worth comparing
+        torch.testing.assert_close(g_c, g_e, rtol=1e-5, atol=1e-6)
