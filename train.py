@@ -36,6 +36,7 @@ from run_config import (DEFAULTS, EVAL_SEED, MODEL_KEYS, RUN_KEYS, find_data, ge
                         model_config, pick_device, save_checkpoint)
 
 WARMUP_CAP = 0.1  # with max_flops, warmup_iters is at most this fraction of the budget's iterations (rounded up)
+GRAD_CHECK_STEPS = 5  # compile=True: the first log iteration this many steps into a run checks for zero gradients
 
 
 class TrainingStopped(RuntimeError):
@@ -222,6 +223,42 @@ class StepStats:
         return in_a_row, longest, count
 
 
+class ZeroGradientCheck:
+    """compile=True: a compiled step that gives parameters an exactly zero gradient trains a model that
+    does not learn, behind a plausible loss (torch 2.11's Dynamo did this to every parameter upstream of
+    a norm: kernels.cast). Once, at the first log iteration at least GRAD_CHECK_STEPS steps into the run
+    (at init a zero-initialised query or projection legitimately passes no gradient upstream), an
+    optimizer pre-hook keeps every gradient's norm on the device; the log iteration's sync reads them
+    and warns, loudly, about each parameter whose gradient was exactly zero. No other step is touched."""
+
+    def __init__(self, model, optimizer, first_iter):
+        self.names = {p: n for n, p in model.named_parameters()}
+        self.due, self.armed, self.norms = first_iter + GRAD_CHECK_STEPS, False, None
+        optimizer.register_step_pre_hook(self.record)
+
+    def arm(self, iter_num, log_interval):
+        self.armed = self.due is not None and iter_num >= self.due and iter_num % log_interval == 0
+
+    def record(self, optimizer, args, kwargs):
+        if self.armed:
+            self.params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            self.norms = torch.stack(torch._foreach_norm([p.grad for p in self.params]))
+            self.armed, self.due = False, None
+
+    def read(self, iter_num):
+        """The warning (a string) if the recorded step gave some parameter a zero gradient, else None."""
+        if self.norms is None:
+            return None
+        zero = [self.names[p] for p, norm in zip(self.params, self.norms.tolist()) if norm == 0]
+        n, self.norms, self.params = len(self.params), None, None
+        if not zero:
+            return None
+        shown = ", ".join(zero[:6]) + (", ..." if len(zero) > 6 else "")
+        return (f"WARNING: the compiled step of iteration {iter_num} gave {len(zero)} of {n} parameters an exactly "
+                f"zero gradient ({shown}): they are not learning. Compare with --compile=False; this torch is "
+                f"{torch.__version__} (the README's 'Tested torch versions' says which are known good)")
+
+
 def train_step(model, raw_model, optimizer, scaler, batches, stats, accum, autocast, grad_clip):
     """One optimizer step over `accum` micro-batches from `batches`; returns the last micro-step's loss
     (a device tensor, divided by accum). A non-finite gradient norm (a NaN/inf loss too: its gradients
@@ -403,6 +440,7 @@ class Trainer:
             if self.master:
                 print("compiling the model...")
             self.model = torch.compile(self.model)
+        self.grad_check = ZeroGradientCheck(self.raw_model, self.optimizer, self.iter_num) if cfg["compile"] else None
         self.eval_model = self.model  # evals run the module that trains (compiled or not), in eval mode, without DDP
         if self.ddp:
             self.model = wrap_ddp(self.model, self.gptconf, device)
@@ -643,6 +681,9 @@ class Trainer:
             eta = left * dt + evals_left * self.eval_s if dt else None
             print(log_line(self.iter_num, cfg["max_iters"], loss.item() * self.accum, dt, self.tokens_per_iter,
                            utilisation, self.lr(self.iter_num), eta))
+            warning = self.grad_check and self.grad_check.read(self.iter_num)
+            if warning:
+                print(f"{'!' * 100}\n{warning}\n{'!' * 100}", file=sys.stderr, flush=True)
 
     # --- the loop
 
@@ -672,6 +713,8 @@ class Trainer:
             if self.iter_num >= cfg["max_iters"] or cfg["eval_only"]:
                 break
             self.stop_if_signalled()
+            if self.grad_check:
+                self.grad_check.arm(self.iter_num, cfg["log_interval"])
             t_step = time.time()
             loss = train_step(self.model, self.raw_model, self.optimizer, self.scaler, batches, self.stats,
                               accum=self.accum, autocast=self.autocast, grad_clip=cfg["grad_clip"])

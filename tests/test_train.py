@@ -345,6 +345,39 @@ def test_resume_matches_straight_run(dropout, runs, data_dir, tmp_path):
         torch.testing.assert_close(w_resumed[k], w_straight[k], rtol=0, atol=1e-6)
 
 
+def diverging_resume(base_run, data_dir, out, in_process, **overrides):
+    """base_run (8 iterations, val loss falling) resumed to iteration 12 at a constant LR of 1.0, which
+    wrecks the model: the evals at 10 and 12 are far worse than every earlier one. Returns log.jsonl."""
+    shutil.copytree(base_run, out)
+    in_process(tiny_args(data_dir, out, init_from="resume", max_iters=12, lr_decay_iters=12, learning_rate=1.0,
+                         decay_lr=False, **overrides))
+    log = read_log(out)
+    assert [r["iter"] for r in log] == [0, 2, 4, 6, 8, 10, 12]
+    assert min(r["val_loss"] for r in log[5:]) > max(r["val_loss"] for r in log[:5]) + 1  # the premise
+    return log
+
+
+def test_resume_keeps_the_best_val_loss(base_run, data_dir, tmp_path, in_process):
+    """best_val_loss comes back from the checkpoint: after a resume whose evals are all worse, the
+    checkpoint's best_val_loss is still the best of the whole run, one from before the resume."""
+    log = diverging_resume(base_run, data_dir, tmp_path / "out", in_process)
+    ckpt = load_ckpt(tmp_path / "out")
+    assert ckpt["iter_num"] == 12  # always_save_checkpoint: the latest
+    best = min(r["val_loss"] for r in log)
+    assert best == min(r["val_loss"] for r in log[:5])
+    assert ckpt["best_val_loss"] == pytest.approx(best, abs=1e-6)  # log.jsonl rounds to 6 decimals
+
+
+def test_resume_does_not_overwrite_the_best_checkpoint(base_run, data_dir, tmp_path, in_process):
+    """always_save_checkpoint=False keeps the best model in ckpt.pt: a resume whose evals are all worse
+    than the best before it leaves ckpt.pt exactly as it was."""
+    out = tmp_path / "out"
+    before = (Path(base_run) / "ckpt.pt").read_bytes()
+    diverging_resume(base_run, data_dir, out, in_process, always_save_checkpoint=False)
+    assert load_ckpt(out)["iter_num"] == 8
+    assert (out / "ckpt.pt").read_bytes() == before, "ckpt.pt was rewritten"
+
+
 # -----------------------------------------------------------------------------
 # 5. DDP
 
@@ -374,6 +407,120 @@ def test_ddp_matches_single_process(base_run, data_dir, tmp_path):
     w_single = load_ckpt(base_run)["model"]
     for k in w_single:
         torch.testing.assert_close(ckpt["model"][k], w_single[k], rtol=0, atol=1e-5)
+
+
+GPU = "NVIDIA H100 80GB HBM3"  # a name flops.PEAK_FLOPS knows, so that MFU is computed on CPU too
+
+# train.py under torchrun, its device named GPU (MFU needs a peak; on CPU gpu_name is None) and the
+# arguments of every progress line printed as JSON (the line itself rounds MFU to 0.1%)
+STUBBED_GPU_TRAIN = f"""
+import json, sys
+sys.path.insert(0, {str(REPO)!r})
+import train
+
+plan, line = train.Trainer.plan_iterations, train.log_line
+
+def plan_on_a_known_gpu(self):
+    plan(self)
+    self.gpu_name = {GPU!r}
+
+def log_line(iter_num, max_iters, loss, dt, tokens_per_iter, utilisation, lr, eta):
+    print("log_line " + json.dumps(dict(iter=iter_num, dt=dt, tokens_per_iter=tokens_per_iter, mfu=utilisation)))
+    return line(iter_num, max_iters, loss, dt, tokens_per_iter, utilisation, lr, eta)
+
+train.Trainer.plan_iterations, train.log_line = plan_on_a_known_gpu, log_line
+train.main(sys.argv[1:])
+"""
+
+
+def ddp_accum_args(data_dir, out_dir):
+    """4 micro-steps of 2 x 32 tokens per iteration (2 per rank under DDP), 3 iterations, evals at 0 and 3."""
+    return tiny_args(data_dir, out_dir, batch_size=2, gradient_accumulation_steps=4, max_iters=3,
+                     lr_decay_iters=3, eval_interval=3)
+
+
+@pytest.fixture(scope="session")
+def ddp_accum_run(data_dir, tmp_path_factory):
+    """(out_dir, stdout) of a 2-rank gloo run (torchrun) with 2 micro-steps per rank, on a stubbed GPU name."""
+    root = tmp_path_factory.mktemp("ddp_accum")
+    script = root / "train_on_a_known_gpu.py"
+    script.write_text(STUBBED_GPU_TRAIN)
+    out = root / "out"
+    r = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+             *ddp_accum_args(data_dir, out)])
+    assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    assert "2 process(es) x 2 micro-steps x 2 x 32" in r.stdout
+    return out, r.stdout
+
+
+def test_ddp_with_accumulation_matches_single_process(ddp_accum_run, data_dir, tmp_path, in_process):
+    """2 ranks x 2 micro-steps == 1 process x 4 micro-steps: rank r runs global micro-steps 2r and 2r + 1,
+    so together the ranks see exactly the single process's batch (an offset of r instead of 2r would give
+    rank 1 micro-steps 1, 2: one batch twice, one never)."""
+    out, _ = ddp_accum_run
+    single = tmp_path / "single"
+    in_process(ddp_accum_args(data_dir, single))
+    a, b = read_log(out), read_log(single)
+    assert [x["iter"] for x in a] == [x["iter"] for x in b] == [0, 3]
+    for x, y in zip(a, b):  # log.jsonl rounds to 6 decimals
+        assert abs(x["train_loss"] - y["train_loss"]) <= 2e-6 and abs(x["val_loss"] - y["val_loss"]) <= 2e-6, (x, y)
+    w_ddp, w_single = load_ckpt(out)["model"], load_ckpt(single)["model"]
+    for k in w_single:  # the same batches, summed in another order: fp32 rounding, ~1e-8 (a wrong batch: ~1e-4)
+        torch.testing.assert_close(w_ddp[k], w_single[k], rtol=0, atol=1e-7)
+
+
+def test_mfu_counts_every_device(ddp_accum_run, data_dir):
+    """Under DDP, tokens/s is the whole run's (both ranks), so MFU divides by the peak of 2 GPUs: in
+    log.jsonl (the iterations since the last eval) and in every progress line (those since the last)."""
+    out, stdout = ddp_accum_run
+    config = GPTConfig(vocab_size=65, n_layer=2, n_head=2, n_embd=32, block_size=32)
+    per_token, peak = flops.train_flops_per_token(config), flops.peak_flops(GPU)
+    assert peak == dict(flops.PEAK_FLOPS)[r"h100|gh200"]
+    (record,) = [r for r in read_log(out) if r["iter"] > 0]
+    assert record["tokens_per_s"] > 0
+    assert record["mfu"] == pytest.approx(per_token * record["tokens_per_s"] / (2 * peak), rel=1e-9, abs=0)
+    calls = [json.loads(x) for x in re.findall(r"^log_line (.*)$", stdout, re.M)]
+    printed = LOG_LINE.findall(stdout)
+    assert [c["iter"] for c in calls] == [int(m[0]) for m in printed] == [0, 1, 2]  # rank 0 prints alone
+    for c, m in zip(calls, printed):
+        assert c["tokens_per_iter"] == tokens_per_iter(ddp_accum_args(data_dir, out))  # both ranks' tokens
+        expected = per_token * (c["tokens_per_iter"] / c["dt"]) / (2 * peak)
+        assert c["mfu"] == pytest.approx(expected, rel=1e-9, abs=0)
+        assert m[5] == f"{100 * expected:.1f}"
+
+
+def test_gradient_accumulation_averages_the_micro_batches(data_dir):
+    """train_step over k micro-batches of B rows gives the gradient of the mean loss over the k x B rows
+    (each micro-step's loss divided by k), here against plain autograd on the whole batch at once."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=65, n_layer=2, n_head=2, n_embd=32, block_size=32, kernels="torch")
+    model = GPT(config).double()  # float64: the two sums differ in rounding by ~1e-15 only
+    k, B = 4, 2
+    path = str(Path(data_dir) / "shakespeare_char" / "train.bin")
+    X, Y = run_config.get_batch(path, k * B, 32, torch.Generator().manual_seed(1), torch.device("cpu"))
+    model(X, Y)[1].backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    class RecordGrads:
+        """train_step's optimizer: step() keeps the gradients it would apply."""
+        def step(self):
+            self.grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+        def zero_grad(self, set_to_none):
+            model.zero_grad(set_to_none=set_to_none)
+
+    optimizer = RecordGrads()
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    stats = train.StepStats(config, B * 32, torch.device("cpu"))
+    micro = zip(X.split(B), Y.split(B))
+    loss = train.train_step(model, model, optimizer, scaler, micro, stats, accum=k,
+                            autocast=torch.autocast("cpu", enabled=False), grad_clip=0.0)
+    assert loss.item() == pytest.approx(model(X[-B:], Y[-B:])[1].item() / k, rel=1e-12)  # the last one / k
+    assert set(optimizer.grads) == set(want)
+    for n, g in want.items():
+        err, scale = (optimizer.grads[n] - g).abs().max().item(), g.abs().max().item()
+        assert scale > 0 and err <= 1e-12 * scale, (n, err, scale)
 
 
 # -----------------------------------------------------------------------------
@@ -619,6 +766,42 @@ def test_compile_warm_up_is_reported_once_and_kept_out_of_the_timings(data_dir, 
     log = read_log(tmp_path / "out")
     assert [r["iter"] for r in log] == [0, 2, 4]
     assert all(r["ms_per_iter"] < 1000 for r in log)  # without the 2 s: 2 s / 2 iterations at least
+
+
+class ZeroGradCompile(torch.nn.Module):
+    """A stand-in for a torch.compile that silently drops the backward upstream of the final norm (what
+    torch 2.11 did to the references): every parameter but the final norm's and the head's gets a zero
+    gradient, while the loss is computed as before."""
+
+    def __init__(self, model, broken):
+        super().__init__()
+        self.inner = model
+        if broken:
+            for name, p in model.named_parameters():
+                if not name.startswith(("lm_head", "stream.norm_f")):
+                    p.register_hook(torch.zeros_like)
+
+    def forward(self, *args):
+        return self.inner(*args)
+
+
+@pytest.mark.parametrize("broken", [True, False])
+def test_compiled_zero_gradients_warn_loudly_once(data_dir, tmp_path, in_process, monkeypatch, capsys, broken):
+    """compile=True: the first log iteration GRAD_CHECK_STEPS steps in reads every gradient's norm (kept
+    on the device by an optimizer pre-hook that step only) and names the parameters whose gradient was
+    exactly zero; a compile that trains every parameter gives no warning."""
+    monkeypatch.setattr(torch, "compile", lambda model: ZeroGradCompile(model, broken))
+    monkeypatch.setattr(train, "GRAD_CHECK_STEPS", 3)
+    in_process(tiny_args(data_dir, tmp_path / "out", max_iters=8, log_interval=2, compile=True))
+    err = capsys.readouterr().err
+    if not broken:
+        assert "WARNING" not in err
+        return
+    n = sum(1 for _ in GPT(GPTConfig(vocab_size=65, n_layer=2, n_head=2, n_embd=32, block_size=32)).parameters())
+    (warning,) = re.findall(r"^WARNING: the compiled step of iteration (\d+) gave (\d+) of (\d+) parameters "
+                            r"an exactly zero gradient \((.*)\): they are not learning", err, re.M)
+    assert warning[:3] == ("4", str(n - 2), str(n))  # iteration 4: the first log iteration >= 0 + 3
+    assert warning[3].startswith("wte.weight, ") and "lm_head" not in warning[3] and "norm_f" not in warning[3]
 
 
 def test_max_flops_caps_the_warmup(data_dir, tmp_path, in_process, capsys):
