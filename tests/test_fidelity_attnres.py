@@ -45,9 +45,10 @@ def rms_norm(x, weight=None):
     return y if weight is None else y * weight
 
 
-def attn_res(sources, mixer, l, query="static", weights="softmax", key_norm=True):
+def attn_res(sources, mixer, l, query="static", weights="softmax", key_norm=True, record=None):
     """The pseudocode's block_attn_res for mixing point l (1..2L-1, 2L: the head): V = stack(sources),
-    K = RMSNorm_l(V), logits = <q_l, K>, h = sum softmax_0(logits) V."""
+    K = RMSNorm_l(V), logits = <q_l, K>, h = sum softmax_0(logits) V. record: a dict that gets the
+    depth weights alpha [S, B, T] at key l."""
     V = torch.stack(sources)  # [S, B, T, d]
     K = rms_norm(V, mixer.key_norm_weights[l - 1]) if key_norm else V
     if query == "static":
@@ -56,12 +57,15 @@ def attn_res(sources, mixer, l, query="static", weights="softmax", key_norm=True
         q = rms_norm(sources[-1]) @ mixer.query_projs[l - 1].T  # [B, T, d]
     logits = (K * q).sum(-1)  # [S, B, T]
     alpha = torch.sigmoid(logits) if weights == "sigmoid" else torch.softmax(logits, dim=0)
+    if record is not None:
+        record[l] = alpha
     return torch.einsum("sbt,sbtd->btd", alpha, V)
 
 
-def reference_logits(model, idx, layers_per_block, **ablation):
+def reference_logits(model, idx, layers_per_block, record=None, **ablation):
     """Block AttnRes as the README's forward(): blocks of `layers_per_block` whole layers; the token
-    embedding is b_0. layers_per_block=None: full AttnRes (Eqs. 2-4: every sublayer's output is a source)."""
+    embedding is b_0. layers_per_block=None: full AttnRes (Eqs. 2-4: every sublayer's output is a source).
+    record: a dict that gets every mixing point's depth weights (see attn_res)."""
     mixer, T = model.stream, idx.size(1)
     rope = model.rope[:T]
 
@@ -71,7 +75,7 @@ def reference_logits(model, idx, layers_per_block, **ablation):
     def read(l, sources):
         # sublayer 1 has the embedding alone: softmax gives it weight 1 (a sigmoid gate would scale it
         # by a positive per-token scalar, which the pre-norm removes; the model reads it as is)
-        return sources[0] if l == 0 else attn_res(sources, mixer, l, **ablation)
+        return sources[0] if l == 0 else attn_res(sources, mixer, l, record=record, **ablation)
 
     emb = model.wte.weight[idx]
     if layers_per_block is None:
@@ -91,7 +95,7 @@ def reference_logits(model, idx, layers_per_block, **ablation):
             h = read(2 * layer + 1, blocks + [partial])
             partial = partial + sublayer(2 * layer + 1, h)
         blocks.append(partial)
-    h = attn_res(blocks, mixer, len(model.sublayers), **ablation)  # the head: one more query
+    h = attn_res(blocks, mixer, len(model.sublayers), record=record, **ablation)  # the head: one more query
     return model.lm_head(rms_norm(h, mixer.norm_f.weight))[..., :model.config.vocab_size], len(blocks) - 1
 
 
@@ -236,6 +240,25 @@ def test_sigmoid_gates_are_one_half_at_init():
     model = GPT(tiny(attnres_weights="sigmoid"))
     for row in model.diagnostics(batch())[1:]:
         assert row["depth_weights"] == pytest.approx([0.5] * len(row["depth_weights"]))
+
+
+@pytest.mark.parametrize("residual, blocks", [("attnres", None), ("block_attnres", 3)])
+def test_diagnostics_report_each_mixing_points_own_depth_weights(residual, blocks):
+    """diagnostics()' depth_weights of sublayer l, and of the head (l = 2L), are the reference's alpha at
+    mixing point l averaged over the tokens, on a model whose queries and key-norm weights are random:
+    every point's softmax is its own, so a row that reads another point's query or sources fails (at
+    init every query is 0 and every row is uniform, whatever it reads)."""
+    model = random_model(tiny(residual, attnres_blocks=blocks))
+    idx = batch()
+    record = {}
+    reference_logits(model, idx, 2 if blocks else None, record=record)  # L = 4, N = 3: k = 2
+    rows = model.diagnostics(idx)
+    assert "depth_weights" not in rows[0] and sorted(record) == list(range(1, len(rows)))
+    assert rows[-1]["kind"] == "head"
+    for l, row in enumerate(rows[1:], start=1):
+        want = record[l].flatten(1).mean(1)
+        assert (want - 1 / len(want)).abs().max() > 0.01, l  # far from uniform (10^4 x the tolerance)
+        assert row["depth_weights"] == pytest.approx(want.tolist(), abs=1e-6), l
 
 
 def test_plain_path_equals_the_fused_kernel_for_the_default():

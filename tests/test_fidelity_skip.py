@@ -107,6 +107,32 @@ def test_sparsity_loss_is_the_references_mean_over_all_layers():
     torch.testing.assert_close(loss1 - loss0, expected, rtol=1e-9, atol=1e-12)
 
 
+def test_each_block_is_gated_by_its_own_or_its_mirrors_gate(monkeypatch):
+    """What every block of a forward actually uses, read off its route: the weight that scales its
+    writes and the tokens that run it (g > 0), as [B, T] per sublayer. Block i < L/2 uses its own gate,
+    block L-1-i the same gate as block i, against reference_gates from the producers' raw outputs."""
+    model = model_fp64().eval()
+    produced = record_producers(model)
+    used, route = {}, model.mod.route
+
+    def spy(stream, state, x, l, ctx):
+        r = route(stream, state, x, l, ctx)
+        w = torch.where(r.valid, r.weight, 0.0) if r.valid is not None else r.weight
+        used[l] = w.squeeze(-1) if r.idx is None else torch.zeros(B, T, dtype=F64).scatter(1, r.idx, w.squeeze(-1))
+        used[l, "ran"] = r.ran(B, T, "cpu")
+        return r
+    monkeypatch.setattr(model.mod, "route", spy)
+    with torch.no_grad():
+        model(batches(1, seed=4)[0])
+    gates = reference_gates(produced)
+    # the gates differ from block to block, and some tokens skip: a wrong pairing cannot pass
+    assert all((gates[i] - gates[j]).abs().max() > 0.1 for i in range(L // 2) for j in range(i))
+    assert (gates == 0).any()
+    for l in range(2 * L):
+        torch.testing.assert_close(used[l], gates[l // 2], rtol=1e-12, atol=0, msg=f"sublayer {l}")
+        assert torch.equal(used[l, "ran"], gates[l // 2] > 0), l
+
+
 def test_controller_matches_the_reference_over_steps():
     """3 steps of 2 micro-batches: the same statistics and the same lam, mu as the reference's 6 layer
     coefficients (mirrored pairs equal there)."""

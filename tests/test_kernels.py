@@ -123,6 +123,37 @@ def test_rms_norm_reference_matches_autograd():
     torch.testing.assert_close(kernels.rms_norm(x, w, impl="torch"), F.rms_norm(x, (17,), w, 1e-6))
 
 
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_rms_norm_reference_bf16_backward_rounds_once(w_dtype):
+    """bf16 x (and a bf16 or fp32 weight) through the reference (impl="torch"): computed in fp32, every
+    output and gradient is the exact value rounded once to its storage dtype, within half an ulp
+    (2^-8 relative in bf16) of fp64 on the same inputs; bf16 intermediates (products, the <g, x_hat>
+    dot, the addcmul that nearly cancels) are off by many ulps. The rows are powers of two >= 1 times
+    random-sign permutations of 64 values k/8 whose mean square is exactly 1, so the x_hat the forward
+    saves in bf16 is exact too (and eps moves it < 1e-6): it adds no rounding of its own."""
+    g = torch.Generator().manual_seed(0)
+    R, d = 64, 64
+    row = torch.tensor([5] * 20 + [7] * 20 + [9] * 12 + [11] * 8 + [13] * 4, dtype=torch.float64) / 8
+    assert row.square().mean() == 1
+    x = torch.stack([row[torch.randperm(d, generator=g)] for _ in range(R)])
+    x = x * (torch.randint(0, 2, (R, d), generator=g) * 2 - 1) * 2.0 ** torch.randint(0, 7, (R, 1), generator=g)
+    x = x.bfloat16()
+    w = (1 + 0.5 * torch.randn(d, generator=g)).to(w_dtype)
+    dy = torch.randn(R, d, generator=g).bfloat16()
+    a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = kernels.rms_norm(a, b, impl="torch")
+    y.backward(dy)
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    ref = xr / torch.sqrt(xr.square().mean(-1, keepdim=True) + 1e-6) * wr
+    ref.backward(dy.double())
+    for got, want, what in ((y, ref.detach(), "y"), (a.grad, xr.grad, "dx"), (b.grad, wr.grad, "dw")):
+        assert got.dtype == (w_dtype if what == "dw" else torch.bfloat16), what
+        half_ulp = torch.finfo(got.dtype).eps / 2
+        err = (got.double() - want).abs()
+        bound = half_ulp * want.abs() + 1e-5 * (scale_of(want) + want.abs())  # + fp32 arithmetic
+        assert (err <= bound).all(), f"{what}: worst error {(err / bound).max().item():.3g} x the bound"
+
+
 # -----------------------------------------------------------------------------
 # nag_update
 

@@ -112,6 +112,95 @@ def test_greedy_generate_picks_the_argmax():
     assert out[0, -1].item() == logits[0, -1].argmax().item()
 
 
+def test_top_k_1_is_greedy_at_any_temperature():
+    """top_k=1 leaves one candidate, the argmax: sampling then gives exactly the temperature=0 tokens."""
+    torch.manual_seed(0)
+    model = GPT(tiny()).eval()
+    x = torch.randint(0, 65, (4, 3))
+    greedy = model.generate(x, 20, temperature=0)
+    for temperature in (1.0, 5.0):
+        assert torch.equal(model.generate(x, 20, temperature=temperature, top_k=1), greedy)
+
+
+def test_sampled_tokens_are_in_the_top_k_of_their_step():
+    """Every sampled token is among the k largest logits of its step, the logits recomputed by one
+    full forward pass over the generated text (not the KV-cache path that sampled them)."""
+    torch.manual_seed(0)
+    model = GPT(tiny()).eval()
+    k, prompt = 5, 4
+    x = torch.randint(0, 65, (8, prompt))
+    out = model.generate(x, 24, temperature=1.5, top_k=k)
+    logits, _ = model(out[:, :-1], out[:, :-1])  # logits[:, t] predicts token t + 1
+    logits = logits[:, prompt - 1:]
+    picked = logits.gather(-1, out[:, prompt:, None]).squeeze(-1)
+    kth = logits.topk(k, dim=-1).values[..., -1]
+    assert (picked >= kth - 1e-5).all()
+    # not trivially so: the draws spread over the top k, not just the argmax
+    rank = (logits > picked[..., None]).sum(-1)
+    assert (rank > 0).float().mean() > 0.3 and set(rank.flatten().tolist()) == set(range(k))
+
+
+def known_logits_model(logits):
+    """A model whose next-token logits are `logits` [V] whatever the context: every sublayer writes 0
+    (c_proj = 0), every token embeds as the same unit-RMS row, and the head maps that row to logits."""
+    V, d = logits.numel(), 16
+    model = GPT(tiny(vocab_size=V, n_layer=1, n_embd=d, block_size=8)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("c_proj.weight"):
+                p.zero_()
+        model.wte.weight.fill_(1.0)
+        model.lm_head.weight.copy_(logits[:, None].expand(V, d) / d)  # <row, ones> = logit
+    got, _ = model(torch.zeros(1, 3, dtype=torch.long))
+    assert (got[0, -1] - logits).abs().max() < 1e-5
+    return model
+
+
+def test_sampling_frequencies_follow_softmax_of_logits_over_temperature():
+    """With known logits l, one step over N = 20000 rows samples token i with probability
+    softmax(l / T)_i (top_k: renormalised over the k largest, exactly 0 elsewhere): every frequency
+    within 5 standard errors. T = 0 is the argmax, and T = 0.02 all but always the argmax too."""
+    logits = torch.tensor([0.5, -1.0, 1.5, 0.0, -0.5, 2.0, 1.0, -2.0])  # argmax 5, then 2, 6, 0
+    model = known_logits_model(logits)
+    N = 20000
+    x = torch.zeros(N, 1, dtype=torch.long)
+    assert (model.generate(x[:4], 3, temperature=0)[:, 1:] == 5).all()
+    torch.manual_seed(0)
+    assert (model.generate(x, 1, temperature=0.02)[:, 1] == 5).all()  # the runner-up: p ~ e^-25
+    for temperature, top_k in ((0.5, None), (2.0, None), (2.0, 3)):
+        p = torch.softmax(logits.double() / temperature, dim=0)
+        if top_k is not None:
+            p[[1, 3, 4, 0, 7]] = 0.0  # outside the top 3 (5, 2, 6)
+            p /= p.sum()
+        torch.manual_seed(1)
+        freq = torch.bincount(model.generate(x, 1, temperature=temperature, top_k=top_k)[:, 1],
+                              minlength=8).double() / N
+        assert ((freq - p).abs() <= 5 * (p * (1 - p) / N).sqrt()).all(), (temperature, top_k, freq, p)
+
+
+def test_dropout_is_off_in_eval_and_random_in_training():
+    """Every dropout site (the embedding, attention's probabilities, attention's and the MLP's outputs)
+    is off in eval: a dropout=0.5 model gives bit-identical logits under different RNG states, equal to
+    the dropout=0 model with the same weights. In training it draws from the RNG: other seeds, other
+    logits; the same seed, the same ones."""
+    torch.manual_seed(0)
+    drop = GPT(tiny(dropout=0.5))
+    plain = GPT(tiny())
+    plain.load_state_dict(drop.state_dict())
+    x = torch.randint(0, 65, (2, 32))
+
+    def logits(model, seed):
+        torch.manual_seed(seed)
+        return model(x, x)[0]
+    ref = logits(plain.eval(), 0)
+    drop.eval()
+    assert torch.equal(logits(drop, 1), ref) and torch.equal(logits(drop, 2), ref)
+    drop.train()
+    a, b = logits(drop, 1), logits(drop, 2)
+    assert (a - b).abs().max() > 0.1 and (a - ref).abs().max() > 0.1
+    assert torch.equal(logits(drop, 1), a)
+
+
 def test_weight_decay_only_on_matrices():
     model = GPT(tiny())
     opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95))

@@ -124,6 +124,31 @@ def test_state_dict_mismatch_is_an_error(data_dir, tmp_path):
         run(tmp_path / "bad")
 
 
+LOW_TIE = [0.1] * 6 + [0.2, 0.3, 0.4, 0.5]  # skips 0 (tau 0.1), 0.6 (0.2), 0.7, 0.8 or 0.9 (0.5)
+MID_TIE = [1.0, 2.0] + [3.0] * 5 + [4.0, 5.0, 6.0]  # skips 0, 0.1, 0.2 (tau 3), 0.7 (4), 0.8, 0.9
+TOP_TIE = [1.0, 2.0, 3.0, 4.0] + [5.0] * 6  # skips 0, .., 0.4 (tau 5): never all
+
+
+@pytest.mark.parametrize("scores, q, tau, skipped", [
+    (LOW_TIE, 0.25, 0.1, 0.0),  # the tie group's far side would skip 0.6, 0.35 away
+    (LOW_TIE, 0.29, 0.1, 0.0),
+    (LOW_TIE, 0.35, 0.2, 0.6),  # 0.25 away; 0 is 0.35 away
+    (LOW_TIE, 0.72, 0.3, 0.7),
+    (LOW_TIE, 0.78, 0.4, 0.8),
+    (MID_TIE, 0.4, 3.0, 0.2),  # 0.2 away; 0.7 is 0.3 away
+    (MID_TIE, 0.5, 4.0, 0.7),  # 0.2 away; 0.2 is 0.3 away
+    (TOP_TIE, 0.9, 5.0, 0.4),  # the nearest that still runs someone
+])
+def test_quantile_with_ties_skips_the_fraction_nearest_q(scores, q, tau, skipped):
+    """Tied scores all run or all skip, so only some fractions can be skipped (score < tau); quantile
+    picks the threshold whose fraction is nearest q, on either side of the q-quantile's tie group.
+    The answers are worked out by hand above; every other score value as tau is no nearer q."""
+    s = torch.tensor(scores)[torch.randperm(10, generator=torch.Generator().manual_seed(0))].view(2, 5)
+    got = tradeoff.quantile(s, q)
+    assert got.item() == pytest.approx(tau) and (s < got).sum().item() / 10 == pytest.approx(skipped)
+    assert all(abs((s < v).sum().item() / 10 - q) >= abs(skipped - q) - 1e-9 for v in set(scores))
+
+
 @pytest.mark.parametrize("arg, needle", [("--skip_rates=[0,1]", "skip_rates"), ("--skip_rates=[]", "skip_rates"),
                                          ("--eval_iters=0", "eval_iters"), ("--calibration=uniform", "calibration")])
 def test_bad_options(arg, needle, dense):
