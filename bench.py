@@ -451,6 +451,19 @@ def sample_model(out_dir, device, layers=8, width=128):
     return model.eval()
 
 
+def time_generate(model, tokens, device, dtype):
+    """Seconds of one generate() of `tokens` tokens after a one-token prompt, batch 1, with the KV
+    cache (it leaves model.generate_stats)."""
+    torch.manual_seed(1)
+    prompt = torch.zeros((1, 1), dtype=torch.long, device=device)
+    t0 = time.perf_counter()
+    with torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
+        model.generate(prompt, tokens, kv_cache=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def bench_sample(device, dtype, out_dir, tokens, pairs, layers=0, width=128):
     model = sample_model(out_dir, device, layers or 8, width)
     tau = model.mod.tau.clone()
@@ -464,14 +477,7 @@ def bench_sample(device, dtype, out_dir, tokens, pairs, layers=0, width=128):
     for _ in range(pairs):
         for name, t in variants.items():
             model.mod.tau.copy_(t)
-            torch.manual_seed(1)
-            prompt = torch.zeros((1, 1), dtype=torch.long, device=device)
-            t0 = time.perf_counter()
-            with torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
-                model.generate(prompt, tokens, kv_cache=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(time_generate(model, tokens, device, dtype))
             stats = model.generate_stats
             skipped[name].append(1 - sum(stats["executed"]) / (len(stats["executed"]) * stats["tokens"]))
     model.mod.tau.copy_(tau)

@@ -222,6 +222,7 @@ FIELDS = ["run", "cell", "seed", "residual", "n_layer", "mod", "mod_rate", "args
           "best_val_loss", "seconds"]
 GRID_KEYS = ("residual", "n_layer", "mod", "mod_rate", "seed")  # own columns; a cell's other keys go in `args`
 HERE = os.path.dirname(os.path.abspath(__file__))  # train.py runs here
+TRAIN_SCRIPT = "train.py"  # what each run launches, from HERE (tests swap in a fake)
 
 
 def sweep_cells(sw):
@@ -330,7 +331,7 @@ def _sweep(sw, root, runs, base_argv, cfgs):
             # a killed run left a checkpoint: continue it rather than start over
             resume = os.path.exists(os.path.join(out_dir, "ckpt.pt"))
             budget = [] if sw["budget"] is None else [f"--max_flops={sw['budget']}"]
-            cmd = [sys.executable, "train.py", *base_argv, f"--out_dir={out_dir}", *budget,
+            cmd = [sys.executable, TRAIN_SCRIPT, *base_argv, f"--out_dir={out_dir}", *budget,
                    *override_args(overrides), *(["--init_from=resume"] if resume else [])]
             os.makedirs(out_dir, exist_ok=True)
             log = open(os.path.join(out_dir, "stdout.txt"), "a")

@@ -1,5 +1,6 @@
 """flops.py: the analytic count against torch's FlopCounterMode, MoD scaling, budget arithmetic,
-MFU, train.py's max_flops, and sweeps that resume and survive a failing run (CPU, tiny models)."""
+MFU, train.py's max_flops, and sweeps that resume and survive a failing run (their bookkeeping on a fake
+train.py; one real tiny run through it)."""
 import csv
 import json
 import os
@@ -200,11 +201,20 @@ def test_budget_arithmetic(budget):
         GPTConfig(block_size=64, vocab_size=65, n_layer=L, n_head=4, n_embd=128)) for L in (2, 8)}
     iters = {L: flops.iterations_for_budget(budget, f, tpi) for L, f in per_token.items()}
     for L, f in per_token.items():
-        assert abs(iters[L] * tpi * f - budget) <= tpi * f  # within one iteration of the budget
+        assert abs(iters[L] * tpi * f - budget) <= 0.5 * tpi * f  # the nearest count: within half an iteration
     # a deeper model gets proportionally fewer tokens (to within an iteration each)
     tokens = {L: iters[L] * tpi for L in iters}
     assert tokens[2] * per_token[2] == pytest.approx(tokens[8] * per_token[8], abs=tpi * per_token[8])
     assert tokens[8] < tokens[2]
+
+
+@pytest.mark.parametrize("iters, expected", [(10.6, 11), (10.4, 10), (0.4, 1)])
+def test_budget_rounds_to_the_nearest_iteration(iters, expected):
+    """A budget of 10.6 iterations' FLOPs buys 11, of 10.4 buys 10 (the nearest count, not the floor);
+    one iteration at least."""
+    per_token, tpi = flops.train_flops_per_token(GPTConfig(block_size=64, vocab_size=65, n_layer=2, n_head=4,
+                                                           n_embd=128)), 12 * 64
+    assert flops.iterations_for_budget(per_token * tpi * iters, per_token, tpi) == expected
 
 
 @pytest.mark.parametrize("budget", [0, -1e12, "lots", True])
@@ -265,60 +275,148 @@ def test_shipped_sweep_configs_are_valid(path):
         run_config.model_config(cfg, 65)
 
 
-def test_sweep_resumes_and_reports_failures(data_dir, tmp_path, capsys):
+def tiny_train_config(data_dir, tmp_path):
+    """A train.py config for sweeps of tiny CPU runs (the sweep adds residual, n_layer and its budget)."""
     base = tmp_path / "tiny.py"
     base.write_text(f"dataset = 'shakespeare_char'\ndata_dir = {str(data_dir)!r}\ndevice = 'cpu'\n"
                     "dtype = 'float32'\nn_head = 2\nn_embd = 32\nblock_size = 32\nbatch_size = 4\n"
                     "gradient_accumulation_steps = 1\neval_iters = 1\neval_interval = 2\nwarmup_iters = 1\n"
                     "max_iters = 1000\nlog_interval = 1\n")
-    per_token = flops.train_flops_per_token(GPTConfig(vocab_size=65, n_layer=1, n_head=2, n_embd=32, block_size=32))
-    # n_layer=0 is a config error: that run fails and the sweep goes on
+    return base
+
+
+# a stand-in for train.py: appends its argv to argv.jsonl; fails with n_layer=0; else logs evals at
+# iters 0, 1 and max_iters (4 unless given) to log.jsonl, with fake_log()'s losses and FLOPs, and a ckpt.pt
+FAKE_TRAIN = r"""import ast, json, os, sys
+args = {}
+for a in sys.argv[2:]:  # after the train config file
+    k, v = a[2:].split("=", 1)
+    try:
+        args[k] = ast.literal_eval(v)
+    except (ValueError, SyntaxError):
+        args[k] = v
+with open(os.path.join(args["out_dir"], "argv.jsonl"), "a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\n")
+if args["n_layer"] == 0:
+    sys.exit("error: n_layer must be positive")
+L, seed, iters, mod = args["n_layer"], args.get("seed", 0), args.get("max_iters", 4), args.get("mod", "none")
+final = 3 + L / 10 + seed / 100
+with open(os.path.join(args["out_dir"], "log.jsonl"), "a") as f:
+    for it, loss in ((0, 4.5), (1, final - 0.05), (iters, final)):
+        rec = {"iter": it, "tokens": 128 * it, "val_loss": loss, "flops": 1000.0 * L * 128 * it}
+        if mod != "none":
+            rec.update(exec_train=[0.75] * 2 * L if it else None, exec_eval=[0.5, 0.7] * L)
+        f.write(json.dumps(rec) + "\n")
+open(os.path.join(args["out_dir"], "ckpt.pt"), "w").close()
+print("fake train.py done")
+"""
+
+
+def fake_log(n_layer, seed):
+    """What FAKE_TRAIN logs: (final val loss, best val loss, realised train FLOPs per token)."""
+    final = 3 + n_layer / 10 + seed / 100
+    return final, final - 0.05, 1000.0 * n_layer
+
+
+@pytest.fixture
+def fake_train(tmp_path, monkeypatch):
+    """Sweeps launch FAKE_TRAIN instead of train.py; returns argv(out_dir): the argv of each launch there."""
+    script = tmp_path / "fake_train.py"
+    script.write_text(FAKE_TRAIN)
+    monkeypatch.setattr(flops, "TRAIN_SCRIPT", str(script))
+    return lambda out_dir: [json.loads(line) for line in open(out_dir / "argv.jsonl")]
+
+
+def test_sweep_resumes_and_reports_failures(data_dir, tmp_path, capsys, monkeypatch, fake_train):
+    """Sweep bookkeeping on fake runs: each run's command, a failed run recorded and the sweep going on,
+    rows from each log (realised FLOPs, executed fractions, best loss), and a rerun that skips finished
+    runs, retries failed ones and resumes one that left a checkpoint. The figure is drawn once, at the end."""
+    base, budget = tiny_train_config(data_dir, tmp_path), 1.5e9
+    plotted, plot_results = [], flops.plot_results
+    monkeypatch.setattr(flops, "plot_results", lambda *args: plotted.append(args))
     argv = [f"--train_config={base}", f"--out_root={tmp_path}", "--sweep_name=s", "--residuals=['prenorm']",
-            "--depths=[0, 1, 2]", f"--budget={3 * per_token * 4 * 32}", "--mod_runs=[('nag', 'nag', 0.25)]"]
+            "--depths=[0, 1, 2]", f"--budget={budget}", "--mod_runs=[('nag', 'nag', 0.25)]"]
     rows = flops.run_sweep(argv)
     out = capsys.readouterr().out
     statuses = ["failed", "done", "done"] * 2  # prenorm at depths 0, 1, 2, then nag with MoD at each depth
-    assert [r["run"] for r in rows[3:]] == ["nag_L0_nag0.25", "nag_L1_nag0.25", "nag_L2_nag0.25"]
-    assert [r["status"] for r in rows] == statuses
-    assert rows[1]["iters"] == 3 and rows[2]["iters"] < rows[1]["iters"]  # the deeper run buys fewer iterations
-    # a MoD run's FLOPs per token are what it realised: top-k training runs mod_keep of every sublayer
+    names = ["prenorm_L0", "prenorm_L1", "prenorm_L2", "nag_L0_nag0.25", "nag_L1_nag0.25", "nag_L2_nag0.25"]
+    assert [r["run"] for r in rows] == names and [r["status"] for r in rows] == statuses
+    assert "prenorm_L0: failed" in out and "nag_L2_nag0.25: done" in out
+    root = tmp_path / "s"
+    for name, r in zip(names, rows):  # each launched once: the config, its out_dir, the budget, its cell
+        (cmd,) = fake_train(root / name)
+        mod = ["--mod='nag'", "--mod_rate=0.25"] if name.startswith("nag") else []
+        assert cmd == [str(base), f"--out_dir={root / name}", f"--max_flops={budget}",
+                       f"--residual='{r['residual']}'", f"--n_layer={r['n_layer']}", *mod]
+    for r in rows[1:3] + rows[4:]:  # each row is its log's: final and best loss, iters, realised FLOPs
+        final, best, per_token = fake_log(r["n_layer"], 0)
+        assert (r["val_loss"], r["best_val_loss"], r["iters"]) == (final, best, 4)
+        assert r["train_flops_per_token"] == per_token
+    assert "iters" not in rows[0] and "val_loss" not in rows[0]  # failed: nothing logged
+    # MoD: executed fractions are the mean over sublayers, the eval FLOPs from the last eval's routing
     mod_config = GPTConfig(vocab_size=65, n_layer=1, n_head=2, n_embd=32, block_size=32, residual="nag",
                            mod="nag", mod_rate=0.25)
     assert (rows[4]["mod"], rows[4]["mod_rate"]) == ("nag", 0.25)
-    assert rows[4]["train_flops_per_token"] == pytest.approx(flops.train_flops_per_token(mod_config))
-    assert rows[4]["train_flops_per_token"] < flops.train_flops_per_token(mod_config, [1.0] * 2)
-    root = tmp_path / "s"
-    assert all(r["exec_train"] == [mod_config.mod_keep] * 2 for r in
-               map(json.loads, open(root / "nag_L1_nag0.25" / "log.jsonl")) if r["iter"] > 0)
+    assert rows[4]["exec_train"] == pytest.approx(0.75) and rows[4]["exec_eval"] == pytest.approx(0.6)
+    assert rows[4]["eval_flops_per_token"] == sum(flops.forward_flops(mod_config, [0.5, 0.7]).values())
+    assert rows[4]["params"] == flops.count_params(mod_config)[1]
+    dense_config = GPTConfig(vocab_size=65, n_layer=1, n_head=2, n_embd=32, block_size=32)
+    assert rows[1]["exec_train"] == rows[1]["exec_eval"] == 1.0
+    assert rows[1]["eval_flops_per_token"] == sum(flops.forward_flops(dense_config).values())
+    # after each run once a cell has finished one (5 runs), and at the end; then drawn for real (depths and
+    # MoD cells: all three panels)
+    assert len(plotted) == 6 and all(p[1:] == (budget, str(root / "results.png")) for p in plotted)
+    assert [(c["cell"], c["n"]) for c in plotted[-1][0]] == [(n, int(s == "done")) for n, s in zip(names, statuses)]
+    plot_results(*plotted[-1])
     for name in ("results.csv", "results.md", "results.png"):
         assert (root / name).stat().st_size > 0
     with open(root / "results.csv") as f:
-        assert [r["status"] for r in csv.DictReader(f)] == statuses
+        assert [(r["run"], r["status"], r["val_loss"]) for r in csv.DictReader(f)] == [
+            (r["run"], r["status"], str(r.get("val_loss", ""))) for r in rows]
     table = (root / "results.md").read_text()
     assert "| prenorm_L0 | prenorm | 0 | - | 0 | - | 0/1 | - |" in table  # no finished run in that cell
-    assert "| nag_L1_nag0.25 | nag | 1 | nag | 0.25 | - | 1/1 | 3 |" in table
-    assert "| prenorm_L0 | 1337 | failed |" in table and "| nag_L1_nag0.25 | 1337 | done | 3 |" in table
+    r = rows[4]
+    assert (f"| nag_L1_nag0.25 | nag | 1 | nag | 0.25 | - | 1/1 | 4 | {r['params']:,} "
+            f"| {r['train_flops_per_token']:.4g} | {r['eval_flops_per_token']:.4g} | 0.750 / 0.600 "
+            f"| {r['val_loss']:.4f} | {r['best_val_loss']:.4f} |") in table
+    assert "| prenorm_L0 | 1337 | failed |" in table and "| nag_L1_nag0.25 | 1337 | done | 4 |" in table
 
     # the sweep is killed during prenorm_L2: it left a checkpoint but no `done` marker
     os.remove(root / "prenorm_L2" / "done")
     finished = (root / "prenorm_L1" / "log.jsonl").read_text()
     rows = flops.run_sweep(argv)
     out = capsys.readouterr().out
-    assert "prenorm_L1: already finished, skipped" in out
+    assert "prenorm_L1: already finished, skipped" in out and "nag_L1_nag0.25: already finished, skipped" in out
     assert "prenorm_L2: done" in out and "prenorm_L0: failed" in out  # unfinished and failed runs run again
-    assert (root / "prenorm_L1" / "log.jsonl").read_text() == finished
-    assert (root / "prenorm_L1" / "stdout.txt").read_text().count("max_flops") == 1  # trained once
-    assert "resuming from" in (root / "prenorm_L2" / "stdout.txt").read_text()
-    assert "nag_L1_nag0.25: already finished, skipped" in out
+    assert (root / "prenorm_L1" / "log.jsonl").read_text() == finished and len(fake_train(root / "prenorm_L1")) == 1
+    first, again = fake_train(root / "prenorm_L2")
+    assert again == first + ["--init_from=resume"]  # it continues from its checkpoint
+    first, again = fake_train(root / "prenorm_L0")
+    assert again == first  # a failed run left no checkpoint: it starts over
     assert [r["status"] for r in rows] == statuses
 
 
-def test_sweep_seeds_named_runs_and_parallel_jobs(data_dir, tmp_path, capsys, monkeypatch):
-    base = tmp_path / "tiny.py"
-    base.write_text(f"dataset = 'shakespeare_char'\ndata_dir = {str(data_dir)!r}\ndevice = 'cpu'\n"
-                    "dtype = 'float32'\nn_head = 2\nn_embd = 32\nblock_size = 32\nbatch_size = 4\n"
-                    "gradient_accumulation_steps = 1\neval_iters = 1\neval_interval = 2\nwarmup_iters = 1\n"
-                    "max_iters = 1000\nlog_interval = 1\n")
+def test_sweep_runs_train_py(data_dir, tmp_path):
+    """One real train.py run through the sweep: train.py takes its command line, trains the budget's
+    iterations and logs what the row is read from (a MoD run: the FLOPs its top-k really ran)."""
+    mod_config = GPTConfig(vocab_size=65, n_layer=1, n_head=2, n_embd=32, block_size=32, residual="nag",
+                           mod="nag", mod_rate=0.25)
+    per_token = flops.train_flops_per_token(mod_config)
+    argv = [f"--train_config={tiny_train_config(data_dir, tmp_path)}", f"--out_root={tmp_path}", "--sweep_name=s",
+            "--residuals=[]", "--depths=[1]", f"--budget={3 * per_token * 4 * 32}", "--mod_runs=[('nag', 'nag', 0.25)]"]
+    (row,) = flops.run_sweep(argv)
+    assert (row["run"], row["status"], row["iters"]) == ("nag_L1_nag0.25", "done", 3)  # the budget's 3 iterations
+    assert row["flops"] == pytest.approx(3 * 4 * 32 * per_token)  # what train.py logged it ran
+    assert row["train_flops_per_token"] == pytest.approx(per_token)  # realised: mod_keep of every sublayer
+    assert row["train_flops_per_token"] < flops.train_flops_per_token(mod_config, [1.0] * 2)
+    log = run_config.load_log(tmp_path / "s" / "nag_L1_nag0.25")
+    assert all(r["exec_train"] == [mod_config.mod_keep] * 2 for r in log if r["iter"] > 0)
+    assert 3.0 < row["val_loss"] < 4.6  # near ln(65) = 4.17 after 3 iterations
+
+
+def test_sweep_seeds_named_runs_and_parallel_jobs(data_dir, tmp_path, capsys, monkeypatch, fake_train):
+    """On fake runs: seeds and named runs, each launched with its own keys, jobs at a time; results per cell."""
+    base = tiny_train_config(data_dir, tmp_path)
     # no budget: every run trains its max_iters (3)
     argv = [f"--train_config={base}", f"--out_root={tmp_path}", "--sweep_name=s", "--residuals=['prenorm']",
             "--depths=[1]", "--budget=None", "--train_args=['--max_iters=3']", "--seeds=[1, 2]", "--jobs=2",
@@ -340,10 +438,12 @@ def test_sweep_seeds_named_runs_and_parallel_jobs(data_dir, tmp_path, capsys, mo
         ("prenorm_L1_s1", "prenorm_L1", 1, "done"), ("wide_s1", "wide", 1, "done"),
         ("prenorm_L1_s2", "prenorm_L1", 2, "done"), ("wide_s2", "wide", 2, "done")]
     root = tmp_path / "s"
-    for r in rows:  # each run trained with its own seed and the cell's overrides
-        cfg = torch.load(root / r["run"] / "ckpt.pt", weights_only=False)["config"]
-        assert (cfg["seed"], cfg["n_embd"]) == (r["seed"], 64 if r["cell"] == "wide" else 32)
-    assert rows[0]["val_loss"] != rows[2]["val_loss"]  # the seed changes the run
+    for r in rows:  # each run launched with the train args, its own seed and the cell's overrides; no budget
+        (cmd,) = fake_train(root / r["run"])
+        wide = ["--n_embd=64"] if r["cell"] == "wide" else []
+        assert cmd == [str(base), "--max_iters=3", f"--out_dir={root / r['run']}", "--residual='prenorm'",
+                       "--n_layer=1", *wide, f"--seed={r['seed']}"]
+        assert r["val_loss"] == fake_log(1, r["seed"])[0]
     assert all(r["iters"] == 3 for r in rows)
     assert rows[1]["params"] > rows[0]["params"] and rows[1]["args"] == "--n_embd=64" and rows[0]["args"] == ""
     with open(root / "results.csv") as f:
