@@ -34,6 +34,10 @@ DEFAULTS = dict(
     always_save_checkpoint=True,
     init_from="scratch",  # 'scratch' or 'resume'
     diagnose=False,  # log model.diagnostics() of a fixed val batch with every eval (plot with plot.py)
+    # wandb logging (nanoGPT's keys): each eval's log.jsonl numbers go to Weights & Biases too; needs pip install wandb
+    wandb_log=False,
+    wandb_project="nanodepth",
+    wandb_run_name="",  # empty: the name of out_dir
     # data
     dataset="openwebtext",
     data_dir=os.path.join(REPO, "data"),
@@ -91,10 +95,13 @@ def pick_device(device="auto", dtype="auto"):
     the CPU. Returns (torch.device, the dtype's name, a reusable autocast context: a no-op in fp32)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    name = device
     try:
         device = torch.device(device)
     except RuntimeError:
-        raise ConfigError(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N") from None
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):  # torch also knows mps, xla, ...: not nanodepth
+        raise ConfigError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {device} asked for, but torch sees no GPU: use --device=cpu (or auto)")
     if dtype == "auto":

@@ -22,6 +22,7 @@ import shlex
 import shutil
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 
@@ -36,6 +37,9 @@ from run_config import (DEFAULTS, EVAL_SEED, MODEL_KEYS, RUN_KEYS, find_data, ge
                         model_config, pick_device, save_checkpoint)
 
 WARMUP_CAP = 0.1  # with max_flops, warmup_iters is at most this fraction of the budget's iterations (rounded up)
+POSITIVE_KEYS = ("batch_size", "gradient_accumulation_steps", "eval_interval", "log_interval", "eval_iters")
+BUDGET_KEYS = ("max_flops", "max_iters", "lr_decay_iters", "warmup_iters")  # the run's length: resume keeps them
+WANDB_NAMES = {"train_loss": "train/loss", "val_loss": "val/loss"}  # log.jsonl's names that wandb gets as nanoGPT's
 GRAD_CHECK_STEPS = 5  # compile=True: the first log iteration this many steps into a run checks for zero gradients
 
 
@@ -49,6 +53,56 @@ class Interrupted(Exception):
     def __init__(self, message, signum):
         super().__init__(message)
         self.signum = signum
+
+
+# -----------------------------------------------------------------------------
+# the configuration: checked before anything touches out_dir
+
+def check_run_config(cfg):
+    """train.py's own keys, before anything else happens: one-line errors that name the fix."""
+    if cfg["init_from"] not in ("scratch", "resume"):
+        if str(cfg["init_from"]).startswith("gpt2"):  # nanoGPT's gpt2, gpt2-medium, gpt2-large, gpt2-xl
+            raise ConfigError("pretrained GPT-2 weights don't fit nanodepth's backbone (RoPE, RMSNorm, untied head); "
+                              "train from scratch (--init_from=scratch) or resume (--init_from=resume)")
+        raise ConfigError(f"init_from must be 'scratch' or 'resume', got {cfg['init_from']!r}")
+    for key in POSITIVE_KEYS:
+        if not isinstance(cfg[key], int) or cfg[key] <= 0:
+            raise ConfigError(f"{key} must be a whole number > 0, got {cfg[key]!r}")
+    if not isinstance(cfg["max_iters"], int) or cfg["max_iters"] < 0:
+        raise ConfigError(f"max_iters must be a whole number >= 0, got {cfg['max_iters']!r}")
+
+
+def check_writable(out_dir):
+    """Make out_dir if it is missing and create (and remove) a file in it: an out_dir that cannot hold the
+    checkpoint fails at the start, not at the first eval."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write_test"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"cannot write to out_dir {out_dir} ({e.strerror or e}); use another --out_dir") from None
+
+
+def explicit_keys(argv):
+    """The keys that argv sets, in a config file or as --key=value: configure() over defaults that are all
+    None (None takes any value) leaves None exactly where argv sets nothing. So a key set to None counts
+    as unset, which is what None means for every key that has it (lr_decay_iters=None: max_iters)."""
+    return {k for k, v in configure(argv, dict.fromkeys(DEFAULTS)).items() if v is not None}
+
+
+def start_wandb(cfg):
+    """The wandb run that each eval logs to (wandb is imported only here: wandb_log=True on rank 0)."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("wandb_log=True needs wandb: pip install wandb (or drop --wandb_log)") from None
+    name = cfg["wandb_run_name"] or os.path.basename(os.path.abspath(cfg["out_dir"]))
+    try:
+        return wandb.init(project=cfg["wandb_project"], name=name, config=cfg)
+    except Exception as e:  # not logged in, no network, ...: the first line of wandb's message
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"wandb.init failed ({why}): run wandb login, set WANDB_MODE=offline "
+                          f"or drop --wandb_log") from None
 
 
 # -----------------------------------------------------------------------------
@@ -75,18 +129,28 @@ def train_batches(path, batch_size, block_size, seed, iter_num, first_micro, acc
         iter_num += 1
 
 
-def resolve_model_args(cfg, ckpt_args):
-    """On resume the architecture comes from the checkpoint; a key the user explicitly changed to
-    something else is an error rather than silently ignored. RUN_KEYS (dropout, kernels) come from
-    this run's configuration instead (compile is not a model key: it is always this run's)."""
+def resolve_model_args(cfg, ckpt_args, explicit):
+    """On resume the architecture comes from the checkpoint; a key that argv sets (explicit_keys: a config
+    file counts) to something else is an error, also where that is the default, rather than silently
+    ignored. RUN_KEYS (dropout, kernels) come from this run's configuration instead (compile is not a
+    model key: it is always this run's)."""
     args = {}
     for k in MODEL_KEYS:
         saved = ckpt_args.get(k, DEFAULTS[k])
-        if cfg[k] != DEFAULTS[k] and cfg[k] != saved and k not in RUN_KEYS:
+        if k in explicit and k not in RUN_KEYS and cfg[k] != saved:
             raise ConfigError(f"the checkpoint was trained with {k}={saved!r}, not {cfg[k]!r}; "
                               f"drop --{k} or use another out_dir")
         args[k] = cfg[k] if k in RUN_KEYS else saved
     return args
+
+
+def resume_budget(cfg, ckpt_cfg, explicit):
+    """On resume the run's length (BUDGET_KEYS) comes from the checkpoint unless argv sets it, so a
+    finished run resumed with fewer arguments does not train on. The rule: a set max_iters or
+    lr_decay_iters extends (or shortens) the run or its decay, nanoGPT's way to train on; a max_flops
+    budget decides max_iters again exactly as it did, and max_flops and warmup_iters cannot change
+    (plan_iterations compares them with the checkpoint's after planning)."""
+    return {k: ckpt_cfg.get(k, cfg[k]) for k in BUDGET_KEYS if k not in explicit}
 
 
 def rng_state(device):
@@ -341,17 +405,21 @@ def log_line(iter_num, max_iters, loss, dt, tokens_per_iter, utilisation, lr, et
 class Trainer:
     """One training run. Its loop (run) sets the LR (lr), evaluates and checkpoints at eval iterations
     (evaluate), checkpoints and exits at a signal (stop_if_signalled), takes a step (train_step) and
-    prints the progress line (after_step). __init__ sets everything up: processes and device, the data,
-    the model and optimizer (from a checkpoint on resume), the FLOP budget."""
+    prints the progress line (after_step). __init__ sets everything up: processes and device, the data
+    and the model's configuration (from a checkpoint on resume), the FLOP budget, the model and optimizer,
+    out_dir. Every check comes before out_dir is touched: a start that fails leaves it as it was."""
 
     def __init__(self, cfg, argv):
-        if cfg["init_from"] not in ("scratch", "resume"):
-            raise ConfigError(f"init_from must be 'scratch' or 'resume', got {cfg['init_from']!r}")
         self.cfg, self.argv = cfg, argv
+        check_run_config(cfg)
         self.setup_processes()
-        ckpt = self.open_out_dir()
-        self.build_model(ckpt)
+        ckpt = self.find_inputs()
         self.plan_iterations()
+        if self.master:
+            check_writable(cfg["out_dir"])
+        self.build_model(ckpt)
+        self.wandb_run = start_wandb(cfg) if cfg["wandb_log"] and self.master else None
+        self.open_out_dir()
 
     def setup_processes(self):
         """DDP from torchrun's environment, the device and precision, seeds."""
@@ -374,26 +442,37 @@ class Trainer:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
-    def open_out_dir(self):
-        """The data paths and out_dir's files. Returns the checkpoint to resume from (None from scratch);
-        from scratch, an existing checkpoint is moved aside, never overwritten."""
+    def find_inputs(self):
+        """The data and, on resume, the checkpoint (its architecture and budget: resolve_model_args,
+        resume_budget); the model's configuration, checked. Returns the checkpoint (None from scratch)."""
         cfg = self.cfg
         self.paths, self.vocab_size = find_data(cfg, self.master)
-        for split in ("train", "val"):  # a batch needs block_size + 1 consecutive tokens
-            n_tokens = os.path.getsize(self.paths[split]) // 2
-            if cfg["block_size"] >= n_tokens:
-                raise ConfigError(f"block_size {cfg['block_size']} does not fit the {split} split of "
-                                  f"{cfg['dataset']} ({n_tokens} tokens); lower --block_size")
-        os.makedirs(cfg["out_dir"], exist_ok=True)
         self.ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
         self.log_path = os.path.join(cfg["out_dir"], "log.jsonl")
+        ckpt, self.ckpt_cfg = None, None
         if cfg["init_from"] == "resume":
             ckpt = load_checkpoint(self.ckpt_path, self.device)
             if ckpt["model_args"]["vocab_size"] != self.vocab_size:
                 raise ConfigError(f"the checkpoint has vocab_size {ckpt['model_args']['vocab_size']} but dataset "
                                   f"{cfg['dataset']} has {self.vocab_size}; use the dataset it was trained on")
-            cfg.update(resolve_model_args(cfg, ckpt["model_args"]))
-            return ckpt
+            explicit, self.ckpt_cfg = explicit_keys(self.argv), ckpt.get("config", {})
+            cfg.update(resolve_model_args(cfg, ckpt["model_args"], explicit))
+            cfg.update(resume_budget(cfg, self.ckpt_cfg, explicit))
+        for split in ("train", "val"):  # a batch needs block_size + 1 consecutive tokens
+            n_tokens = os.path.getsize(self.paths[split]) // 2
+            if cfg["block_size"] >= n_tokens:
+                raise ConfigError(f"block_size {cfg['block_size']} does not fit the {split} split of "
+                                  f"{cfg['dataset']} ({n_tokens} tokens); lower --block_size")
+        self.gptconf = model_config(cfg, self.vocab_size)
+        check_nag_recipe(cfg)  # after the model keys: on resume, residual comes from the checkpoint
+        return ckpt
+
+    def open_out_dir(self):
+        """After every check (a failed start leaves out_dir as it was): from scratch, the files of an
+        earlier run in out_dir are moved aside, never overwritten."""
+        cfg = self.cfg
+        if cfg["init_from"] == "resume":
+            return
         if self.master and os.path.exists(self.ckpt_path):
             # never silently lose a good checkpoint: keep the previous run's aside
             os.replace(self.ckpt_path, os.path.join(cfg["out_dir"], "ckpt_prev.pt"))
@@ -405,15 +484,12 @@ class Trainer:
             # starts a new log instead of appending to it (there is nothing to resume it from)
             os.remove(self.log_path)
             print(f"{self.log_path} existed without a checkpoint: removed it")
-        return None
 
     def build_model(self, ckpt):
         """The model, AdamW and the fp16 grad scaler, restored from ckpt when resuming; then compiled
-        and wrapped in DDP as configured."""
-        cfg, device = self.cfg, self.device
-        self.gptconf = model_config(cfg, self.vocab_size)
-        check_nag_recipe(cfg)  # after the model keys: on resume, residual comes from the checkpoint
-        self.raw_model = GPT(self.gptconf).to(device)
+        and wrapped in DDP as configured. Prints the start-up line."""
+        cfg, device, gptconf = self.cfg, self.device, self.gptconf
+        self.raw_model = GPT(gptconf).to(device)
         self.optimizer = self.raw_model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"],
                                                              (cfg["beta1"], cfg["beta2"]), cfg["nag_gate_lr_scale"],
                                                              cfg["nag_gate_decay"])
@@ -444,6 +520,16 @@ class Trainer:
         self.eval_model = self.model  # evals run the module that trains (compiled or not), in eval mode, without DDP
         if self.ddp:
             self.model = wrap_ddp(self.model, self.gptconf, device)
+        if self.flops_base is None:
+            self.flops_base = self.iter_num * self.tokens_per_iter * self.flops_per_token
+        if self.master:
+            mod = f" + mod={gptconf.mod} at mod_rate {gptconf.mod_rate:g}" if gptconf.mod != "none" else ""
+            blocks = (f" in {gptconf.attnres_blocks_used} blocks of {gptconf.attnres_layers_per_block} layer(s)"
+                      if gptconf.residual == "block_attnres" else "")  # may be fewer than attnres_blocks asked
+            print(f"{cfg['residual']}{mod}: {gptconf.n_layer} layers{blocks}, {gptconf.n_embd} wide, "
+                  f"{self.raw_model.get_num_params() / 1e6:.2f}M non-embedding params | {self.device} {cfg['dtype']} | "
+                  f"{self.world} process(es) x {self.accum} micro-steps x {cfg['batch_size']} x {cfg['block_size']} "
+                  f"= {self.tokens_per_iter:,} tokens/iter")
 
     def plan_iterations(self):
         """max_iters, the LR schedule's lengths and the FLOP count; --max_flops sets them from a budget."""
@@ -471,17 +557,13 @@ class Trainer:
                       + f", lr_decay_iters {cfg['lr_decay_iters']:,}"
                       + (" (skip_middle: counted dense, an upper bound; log.jsonl has the realised FLOPs)"
                          if gptconf.mod == "skip_middle" else ""))
-        if self.flops_base is None:
-            self.flops_base = self.iter_num * self.tokens_per_iter * self.flops_per_token
+        if self.ckpt_cfg is not None:  # resume_budget's rule: planned from the same inputs, only argv differs
+            for k in ("max_flops", "warmup_iters"):
+                saved = self.ckpt_cfg.get(k, cfg[k])
+                if cfg[k] != saved:
+                    raise ConfigError(f"the checkpoint's run has {k}={saved!r}, not {cfg[k]!r}: resume keeps the "
+                                      f"run's budget; drop --{k} or use another out_dir")
         self.gpu_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None  # MFU
-        if self.master:
-            mod = f" + mod={gptconf.mod} at mod_rate {gptconf.mod_rate:g}" if gptconf.mod != "none" else ""
-            blocks = (f" in {gptconf.attnres_blocks_used} blocks of {gptconf.attnres_layers_per_block} layer(s)"
-                      if gptconf.residual == "block_attnres" else "")  # may be fewer than attnres_blocks asked
-            print(f"{cfg['residual']}{mod}: {gptconf.n_layer} layers{blocks}, {gptconf.n_embd} wide, "
-                  f"{self.raw_model.get_num_params() / 1e6:.2f}M non-embedding params | {self.device} {cfg['dtype']} | "
-                  f"{self.world} process(es) x {self.accum} micro-steps x {cfg['batch_size']} x {cfg['block_size']} "
-                  f"= {self.tokens_per_iter:,} tokens/iter")
 
     def lr(self, it):
         """The learning rate of iteration it: linear warm-up, cosine decay to min_lr at lr_decay_iters."""
@@ -529,11 +611,16 @@ class Trainer:
             print(f"step {self.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             with open(self.log_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+            if self.wandb_run:  # the record's numbers (lists, None and the diagnostics stay in log.jsonl)
+                self.wandb_run.log({WANDB_NAMES.get(k, k): v for k, v in record.items()
+                                    if isinstance(v, (int, float))}, step=self.iter_num)
             improved = losses["val"] < self.best_val_loss
             self.best_val_loss = min(self.best_val_loss, losses["val"])
             if self.iter_num > 0 and not cfg["eval_only"] and (improved or cfg["always_save_checkpoint"]):
                 self.save(rngs, flops)  # eval_only trains nothing: the checkpoint it read stays as it was
-            self.eval_s = time.time() - t_eval
+            if self.evals_run:  # the process's first eval also warms the eval path up: no measure of the next
+                self.eval_s = time.time() - t_eval
+            self.evals_run += 1
         self.train_time, self.iters_since = 0.0, 0
         self.flops_last, self.stats.exec_sum, self.stats.exec_n = flops, None, 0
         self.t_last, self.log_iters, self.flops_mark = time.time(), 0, self.stats.flops
@@ -652,14 +739,16 @@ class Trainer:
                           f"{resume_command(self.argv, cfg['out_dir'], self.world)}" if self.master else "", signum)
 
     def after_step(self, loss, t_step):
-        """Timing: the first compiled step is timed alone (compilation is not training time); at log
-        iterations (a sync point: counters and the loss come to the host) the progress line."""
+        """Timing: the process's first step is timed alone (its warm-up, kernels compiling or with
+        compile=True the compilation, is not training time); at log iterations (a sync point: counters
+        and the loss come to the host) the progress line."""
         cfg = self.cfg
-        if self.first_compiled:
-            self.first_compiled = False
+        if self.first_step:
+            self.first_step = False
             self.read_stats(self.iter_num)  # waits for the step
+            self.flops_last = self.flops_so_far()  # log.jsonl's MFU leaves it out too (a collective under DDP)
             self.t_last, self.flops_mark = time.time(), self.stats.flops
-            if self.master:
+            if self.master and cfg["compile"]:
                 print(f"first step {self.t_last - t_step:.1f}s (compilation): kept out of ms/iter, tok/s and the ETA")
         else:
             self.iters_since += 1
@@ -678,7 +767,11 @@ class Trainer:
             left = cfg["max_iters"] - self.iter_num - 1
             evals_left = (cfg["max_iters"] // cfg["eval_interval"] - self.iter_num // cfg["eval_interval"]
                           + (cfg["max_iters"] % cfg["eval_interval"] != 0))
-            eta = left * dt + evals_left * self.eval_s if dt else None
+            eta = None
+            if dt:  # the evals left take as long as the last one; until one is timed, as long as a third of
+                # 2 x eval_iters training micro-steps (an eval's forward passes; a micro-step is about 3 of them)
+                eval_s = self.eval_s if self.eval_s is not None else dt / self.accum * 2 * cfg["eval_iters"] / 3
+                eta = left * dt + evals_left * eval_s
             print(log_line(self.iter_num, cfg["max_iters"], loss.item() * self.accum, dt, self.tokens_per_iter,
                            utilisation, self.lr(self.iter_num), eta))
             warning = self.grad_check and self.grad_check.read(self.iter_num)
@@ -694,8 +787,10 @@ class Trainer:
         self.train_time, self.iters_since = 0.0, 0  # training time and iterations since the last eval
         self.t_last, self.log_iters = time.time(), 0  # the last sync point (log, eval) and the iterations since
         self.flops_mark = 0.0  # stats.flops (this rank's) at the last sync point: the log line's MFU
-        self.eval_s = 0.0  # how long the last eval (and its checkpoint) took: the ETA allows for the evals to come
-        self.first_compiled = cfg["compile"]  # the first step compiles: timed alone, outside ms/iter and tok/s
+        # the last eval's time (and its checkpoint's), for the ETA's evals to come; None until an eval after the
+        # process's first (which warms up) is timed
+        self.eval_s, self.evals_run = None, 0
+        self.first_step = True  # the first step warms up (compiles): timed alone, outside ms/iter and tok/s
         self.stats = StepStats(self.gptconf, self.micro_tokens, self.device)  # bad steps, MoD: read at log/eval
         self.flops_last = self.flops_base  # the run's training FLOPs at the last eval
         batches = train_batches(self.paths["train"], cfg["batch_size"], cfg["block_size"], cfg["seed"],
@@ -721,6 +816,8 @@ class Trainer:
             self.after_step(loss, t_step)
             self.iter_num += 1
         self.stop.restore()
+        if self.wandb_run:
+            self.wandb_run.finish()
         if self.ddp:  # wait for rank 0's last eval and checkpoint: a rank leaving early can abort gloo's teardown
             dist.barrier()
             dist.destroy_process_group()

@@ -3,6 +3,7 @@
 Helpers and the in-process fixture come from test_train.py; runs are tiny and on CPU.
 """
 import contextlib
+import errno
 import os
 import random
 import shlex
@@ -18,6 +19,7 @@ from hypothesis import given, settings, strategies as st
 import model as model_module
 import run_config
 import train
+from configurator import ConfigError
 from model import GPT, GPTConfig
 from test_train import (REPO, TOL, assert_one_line_error, in_process, load_ckpt, read_log, run,  # noqa: F401
                         tiny_args, tiny_dataset)
@@ -330,29 +332,81 @@ def _not_utf8(tmp):
     return f"FILE:{tmp / 'prompt.bin'}"
 
 
-def _mod(**kw):
-    return lambda data, out, tmp: ["train.py", *tiny_args(data, tmp / "o", **kw)]
-
-
 @pytest.mark.parametrize("make, needles", [
     (_vocab_mismatch, ["vocab_size 65", "has 50", "use the dataset it was trained on"]),
     (_sample(lambda tmp: f"FILE:{tmp / 'missing.txt'}"), ["missing.txt", "No such file", "--start=FILE:"]),
     (_sample(lambda tmp: f"FILE:{tmp}"), ["cannot read the prompt file", "--start=FILE:"]),
     (_sample(_not_utf8), ["prompt.bin", "not UTF-8", "--start=FILE:"]),
-    (_mod(residual="prenorm", mod="nag", mod_rate=0.25),
-     ["mod=nag does not work with residual=prenorm", "use residual=nag"]),
-    (_mod(residual="nag", mod="router", mod_rate=0.25),
-     ["mod=router does not work with residual=nag", "use mod=nag"]),
-    (_mod(residual="sandwich", mod="skip_middle", n_layer=3), ["n_layer must be even", "got 3"]),
-    (_mod(mod_rate=0.25), ["mod_rate=0.25 needs a mod", "--mod=nag"]),
-], ids=["vocab-vs-checkpoint", "start-file-missing", "start-file-is-a-dir", "start-file-not-utf8",
-        "residual-mod-pair", "nag-router-pair", "skip-middle-odd-depth", "mod-rate-without-mod"])
+], ids=["vocab-vs-checkpoint", "start-file-missing", "start-file-is-a-dir", "start-file-not-utf8"])
 def test_bad_input_is_a_one_line_error(make, needles, tiny_run, tmp_path):
     data, out = tiny_run
     before = (out / "ckpt.pt").read_bytes()
     r = run([sys.executable, *map(str, make(data, out, tmp_path))])
     assert_one_line_error(r, *needles)
     assert (out / "ckpt.pt").read_bytes() == before  # a failed start never touches the checkpoint
+
+
+FAILED_STARTS = {  # a configuration that fails, of each kind: its overrides of tiny_args and the error's words
+    # the model's configuration (GPTConfig), and the nag recipe's keys
+    "residual-mod-pair": (dict(residual="prenorm", mod="nag", mod_rate=0.25),
+                          "mod=nag does not work with residual=prenorm; use residual=nag"),
+    "nag-router-pair": (dict(residual="nag", mod="router", mod_rate=0.25),
+                        "mod=router does not work with residual=nag; use mod=nag"),
+    "skip-middle-odd-depth": (dict(residual="sandwich", mod="skip_middle", mod_rate=0.25, n_layer=3),
+                              "n_layer must be even, got 3"),
+    "mod-rate-without-mod": (dict(mod_rate=0.25), "mod_rate=0.25 needs a mod: set --mod=nag"),
+    "heads": (dict(n_embd=100, n_head=3), "divisible by n_head (3)"),
+    "nag-recipe": (dict(nag_gate_lr_scale=0.5), "only applies to residual=nag"),
+    # numbers
+    **{f"{key}=0": ({key: 0}, f"{key} must be a whole number > 0, got 0") for key in train.POSITIVE_KEYS},
+    "max_iters=-5": (dict(max_iters=-5), "max_iters must be a whole number >= 0, got -5"),
+    "max_flops=-1": (dict(max_flops=-1.0), "a FLOP budget must be a positive number"),
+    "block_size": (dict(block_size=10 ** 6), "lower --block_size"),
+    # the run's other settings
+    "device": (dict(device="mps"), "unknown device 'mps': use auto, cpu, cuda or cuda:N"),
+    "gpt2": (dict(init_from="gpt2-medium"), "pretrained GPT-2 weights don't fit nanodepth's backbone (RoPE, RMSNorm, "
+             "untied head); train from scratch (--init_from=scratch) or resume (--init_from=resume)"),
+    "wandb-missing": (dict(wandb_log=True), "pip install wandb"),
+    # the data, out_dir
+    "missing-data": (dict(dataset="openwebtext"), "python data/openwebtext/prepare.py"),
+    "unwritable": ({}, "cannot write to out_dir"),
+}
+
+
+@pytest.mark.parametrize("case", FAILED_STARTS)
+def test_a_failed_start_leaves_out_dir_as_it_was(case, data_dir, tmp_path, in_process, monkeypatch):
+    """Every check comes before out_dir is touched: a start from scratch that fails, for any reason, in
+    an out_dir that holds an earlier run leaves every file there as it was (nothing moved to ckpt_prev.pt:
+    its one slot would lose a model at the second failed start) and raises a one-line ConfigError."""
+    overrides, message = FAILED_STARTS[case]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "ckpt.pt").write_bytes(b"an earlier run's checkpoint")
+    (out / "log.jsonl").write_text('{"iter": 0}\n')
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    if case == "unwritable":  # root may write anywhere: the file system refuses the probe instead
+        def refuse(*args, **kw):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        monkeypatch.setattr(train.tempfile, "NamedTemporaryFile", refuse)
+    if case == "wandb-missing":
+        monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb fails
+    with pytest.raises(ConfigError) as e:
+        in_process(tiny_args(data_dir, out, **overrides))
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+@pytest.mark.parametrize("where", ["proc", "under-a-file", "a-file", "sysfs"])
+def test_an_unwritable_out_dir_fails_at_the_start(where, data_dir, tmp_path, in_process):
+    """An out_dir that cannot be made, or made but not written (/sys/kernel/mm, even for root), is a
+    one-line error at the start, not a traceback at the first eval or checkpoint."""
+    (tmp_path / "file").write_text("")
+    out_dir = {"proc": "/proc/x", "under-a-file": tmp_path / "file" / "out", "a-file": tmp_path / "file",
+               "sysfs": "/sys/kernel/mm"}[where]
+    if where in ("proc", "sysfs") and not os.path.isdir(os.path.dirname(out_dir)):
+        pytest.skip(f"no {os.path.dirname(out_dir)} here")
+    with pytest.raises(ConfigError, match=rf"cannot write to out_dir {out_dir} \(.*\); use another --out_dir"):
+        in_process(tiny_args(data_dir, out_dir, eval_iters=1))
 
 
 # -----------------------------------------------------------------------------

@@ -10,9 +10,11 @@ import os
 import pickle
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -481,8 +483,9 @@ def test_mfu_counts_every_device(ddp_accum_run, data_dir):
     assert record["mfu"] == pytest.approx(per_token * record["tokens_per_s"] / (2 * peak), rel=1e-9, abs=0)
     calls = [json.loads(x) for x in re.findall(r"^log_line (.*)$", stdout, re.M)]
     printed = LOG_LINE.findall(stdout)
-    assert [c["iter"] for c in calls] == [int(m[0]) for m in printed] == [0, 1, 2]  # rank 0 prints alone
-    for c, m in zip(calls, printed):
+    assert [c["iter"] for c in calls] == [0, 1, 2]  # rank 0 prints alone
+    assert [int(m[0]) for m in printed] == [1, 2] and calls[0]["dt"] is None  # step 0 (warm-up) is timed alone
+    for c, m in zip(calls[1:], printed):
         assert c["tokens_per_iter"] == tokens_per_iter(ddp_accum_args(data_dir, out))  # both ranks' tokens
         expected = per_token * (c["tokens_per_iter"] / c["dt"]) / (2 * peak)
         assert c["mfu"] == pytest.approx(expected, rel=1e-9, abs=0)
@@ -581,6 +584,8 @@ def test_mod_nag_run(data_dir, tmp_path, in_process):
         in_process(tiny_args(data_dir, out, init_from="resume", max_iters=6, residual="nag", mod="router"))
     with pytest.raises(ConfigError, match=r"trained with mod_rate=0.25, not 0.5"):
         in_process(tiny_args(data_dir, out, init_from="resume", max_iters=6, residual="nag", mod_rate=0.5))
+    with pytest.raises(ConfigError, match=r"trained with residual='nag', not 'prenorm'"):  # set, though the default
+        in_process(tiny_args(data_dir, out, init_from="resume", max_iters=6, residual="prenorm"))
     assert (out / "ckpt.pt").read_bytes() == before
     in_process(tiny_args(data_dir, out, init_from="resume", max_iters=6, lr_decay_iters=6))  # no MoD arguments
     log = read_log(out)
@@ -712,10 +717,12 @@ def eta_seconds(text):
 def test_progress_line(data_dir, tmp_path, in_process, monkeypatch, capsys):
     """Every log_interval: iter i/max_iters, loss, ms/iter, tok/s, MFU once known (None on CPU: not
     printed; here a stand-in peak) from the FLOPs the steps did, and an ETA of at least the iterations
-    left at the measured ms/iter."""
+    left at the measured ms/iter. Iteration 0's step (the warm-up) is timed alone: its line has neither."""
     in_process(tiny_args(data_dir, tmp_path / "cpu"))
-    lines = LOG_LINE.findall(capsys.readouterr().out)
-    assert [(int(m[0]), int(m[1])) for m in lines] == [(i, 8) for i in range(8)]
+    out = capsys.readouterr().out
+    lines = LOG_LINE.findall(out)
+    assert [(int(m[0]), int(m[1])) for m in lines] == [(i, 8) for i in range(1, 8)]
+    assert re.search(r"^iter 0/8: loss \d+\.\d{4}, lr [\d.e-]+$", out, re.M)
     tpi = tokens_per_iter(tiny_args(data_dir, tmp_path))
     for i, _, loss, ms, tok_s, mfu, lr, eta in lines:
         assert math.isfinite(float(loss)) and mfu == ""  # CPU: MFU unknown, so not printed
@@ -724,7 +731,7 @@ def test_progress_line(data_dir, tmp_path, in_process, monkeypatch, capsys):
 
     seen = []
     monkeypatch.setattr(train, "mfu", lambda fpt, tok_s, name, n: seen.append(fpt) or 0.412)
-    in_process(tiny_args(data_dir, tmp_path / "mfu", max_iters=2))
+    in_process(tiny_args(data_dir, tmp_path / "mfu", max_iters=3))
     assert [m[5] for m in LOG_LINE.findall(capsys.readouterr().out)] == ["41.2", "41.2"]
     config = GPTConfig(vocab_size=65, n_layer=2, n_head=2, n_embd=32, block_size=32)
     assert seen and all(x == pytest.approx(flops.train_flops_per_token(config)) for x in seen)
@@ -736,6 +743,30 @@ def test_log_line_and_durations():
     assert train.log_line(0, 10, 4.0, None, 2048, None, 1e-3, None) == "iter 0/10: loss 4.0000, lr 1.00e-03"
     assert [train.format_duration(s) for s in (0, 44.6, 60, 192, 3599, 3600, 7530)] == \
         ["0s", "45s", "1m00s", "3m12s", "59m59s", "1h00m", "2h05m"]
+
+
+def test_eta_leaves_out_the_warm_up(data_dir, tmp_path, in_process, monkeypatch, capsys):
+    """The process's first eval and first step warm up (kernels compile, memory is allocated): here each
+    takes 100 s more on a fake clock. The first step is timed alone (iteration 0's line has no timing)
+    and the evals to come count at the training speed until an eval after the first is timed, so no ETA
+    holds the warm-up (with it: 7 x 100 s at iteration 0, 4 evals x 100 s at iteration 1)."""
+    skew, cold = [0.0], {"eval", "step"}
+
+    def warm_up(what):
+        if what in cold:
+            cold.discard(what)
+            skew[0] += 100.0
+    estimate_loss, train_step = train.Trainer.estimate_loss, train.train_step
+    monkeypatch.setattr(train, "time", types.SimpleNamespace(time=lambda: time.time() + skew[0]))
+    monkeypatch.setattr(train.Trainer, "estimate_loss", lambda self: warm_up("eval") or estimate_loss(self))
+    monkeypatch.setattr(train, "train_step", lambda *args, **kw: warm_up("step") or train_step(*args, **kw))
+    in_process(tiny_args(data_dir, tmp_path / "out"))
+    out = capsys.readouterr().out
+    assert not cold and re.search(r"^iter 0/8: loss \d+\.\d{4}, lr [\d.e-]+$", out, re.M)
+    lines = LOG_LINE.findall(out)
+    assert [int(m[0]) for m in lines] == list(range(1, 8))
+    assert all(eta_seconds(m[7]) < 50 for m in lines), [m[7] for m in lines]
+    assert all(r["ms_per_iter"] < 1000 for r in read_log(tmp_path / "out"))
 
 
 class SlowFirstCall(torch.nn.Module):
@@ -819,6 +850,30 @@ def test_max_flops_caps_the_warmup(data_dir, tmp_path, in_process, capsys):
     assert log[-1]["lr"] == pytest.approx(1e-4)
 
 
+def test_resume_keeps_the_budget(data_dir, tmp_path, in_process, monkeypatch):
+    """On resume the run's length comes from the checkpoint unless argv sets it: a finished --max_flops
+    run resumed without the flag ends where its budget does (tiny_args' max_iters=8 changes nothing), and
+    a max_iters run resumed without --max_iters where it did (not at DEFAULTS' 600000): no step, out_dir
+    as it was. A different max_flops or warm-up is refused."""
+    steps, train_step = [], train.train_step
+    monkeypatch.setattr(train, "train_step", lambda *args, **kw: steps.append(1) or train_step(*args, **kw))
+    config = GPTConfig(vocab_size=65, n_layer=2, n_head=2, n_embd=32, block_size=32)
+    budget_run, iters_run = tmp_path / "budget", tmp_path / "iters"
+    args = tiny_args(data_dir, budget_run, lr_decay_iters=None)
+    budget = 4 * flops.train_flops_per_token(config) * tokens_per_iter(args)
+    in_process(args + [f"--max_flops={budget}"])  # 4 iterations, the warm-up capped at 1
+    in_process(tiny_args(data_dir, iters_run, max_iters=2))
+    before = {p: p.read_bytes() for d in (budget_run, iters_run) for p in sorted(d.iterdir())}
+    del steps[:]
+    in_process(tiny_args(data_dir, budget_run, init_from="resume"))
+    in_process([a for a in tiny_args(data_dir, iters_run, init_from="resume") if not a.startswith("--max_iters=")])
+    assert not steps and {p: p.read_bytes() for d in (budget_run, iters_run) for p in sorted(d.iterdir())} == before
+    with pytest.raises(ConfigError, match=rf"has max_flops={re.escape(repr(budget))}, not .*drop --max_flops"):
+        in_process(tiny_args(data_dir, budget_run, init_from="resume") + [f"--max_flops={2 * budget}"])
+    with pytest.raises(ConfigError, match=r"has warmup_iters=1, not 0.*drop --warmup_iters"):
+        in_process(tiny_args(data_dir, budget_run, init_from="resume", warmup_iters=0))
+
+
 def test_resume_takes_kernels_as_a_run_setting(base_run, data_dir, tmp_path, in_process, capsys):
     out = tmp_path / "out"
     shutil.copytree(base_run, out)
@@ -836,6 +891,61 @@ def test_eval_only_resume_keeps_the_checkpoint(base_run, data_dir, tmp_path, in_
     in_process(tiny_args(data_dir, out, init_from="resume", eval_only=True))
     assert (out / "ckpt.pt").read_bytes() == before and os.stat(out / "ckpt.pt").st_mtime_ns == stat.st_mtime_ns
     assert [r["iter"] for r in read_log(out)] == [0, 2, 4, 6, 8, 8]  # the eval itself is logged
+
+
+def wandb_history(run_file):
+    """The rows an offline wandb run logged, from its run-*.wandb file: a LevelDB-style log (a 7-byte
+    header, then 32 KiB blocks of chunks: crc32, length, type 1 full / 2 first / 3 middle / 4 last) of
+    wandb's protobuf Records. Returns ({key: value} per history row, the run record)."""
+    from wandb.proto import wandb_internal_pb2
+    data, block = Path(run_file).read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    pos, pending, rows, run = 7, b"", [], None
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pending, pos = pending + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            if record.HasField("history"):
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+            elif record.HasField("run"):
+                run = record.run
+    return rows, run
+
+
+def test_wandb_logs_every_eval(data_dir, tmp_path, in_process, monkeypatch):
+    """wandb_log=True (offline here): one wandb row per eval with log.jsonl's numbers, the losses under
+    nanoGPT's names, in the project and under the name asked for."""
+    pytest.importorskip("wandb")
+    for var, value in dict(WANDB_MODE="offline", WANDB_DIR=tmp_path, WANDB_CONFIG_DIR=tmp_path / "config",
+                           WANDB_CACHE_DIR=tmp_path / "cache", WANDB_DATA_DIR=tmp_path / "data",
+                           WANDB_SILENT="true", WANDB_CONSOLE="off").items():
+        monkeypatch.setenv(var, str(value))
+    out = tmp_path / "out"
+    in_process(tiny_args(data_dir, out, max_iters=4, wandb_log=True, wandb_project="tiny", wandb_run_name="r1"))
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    rows, run = wandb_history(run_file)
+    assert (run.project, run.display_name) == ("tiny", "r1")
+    log = read_log(out)
+    assert [r["iter"] for r in rows] == [r["iter"] for r in log] == [0, 2, 4]
+    for row, r in zip(rows, log):
+        assert row["train/loss"] == r["train_loss"] and row["val/loss"] == r["val_loss"]
+        assert all(row[k] == r[k] for k in LOG_KEYS - {"train_loss", "val_loss"} if r[k] is not None), (row, r)
+        assert row["_step"] == r["iter"]
+
+
+def test_wandb_only_when_asked(data_dir, tmp_path, in_process, monkeypatch):
+    """wandb_log=False (the default) never imports wandb: None in sys.modules makes any import of it fail.
+    (wandb_log=True without wandb: test_reliability.py's failed starts.)"""
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    in_process(tiny_args(data_dir, tmp_path / "out", max_iters=1, eval_iters=1))
+    assert [r["iter"] for r in read_log(tmp_path / "out")] == [0, 1]
 
 
 def test_find_data_barrier_on_every_rank(data_dir, monkeypatch):
