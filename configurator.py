@@ -3,10 +3,14 @@ nanoGPT-style configuration: `python script.py [config/x.py ...] [--key=value ..
 
 A config file is plain Python assignments; --key=value overrides come after. Every key must
 already exist in the script's defaults and keep its type, so a typo fails loudly instead of
-being silently ignored.
+being silently ignored. --help (or -h) lists every key with its default and the comment written
+beside it where the defaults are defined (`key=value,  # what it does`), then exits.
 """
 
 import ast
+import io
+import os
+import tokenize
 
 
 class ConfigError(ValueError):
@@ -21,6 +25,8 @@ def _check(key, value, defaults, where):
     default = defaults[key]
     if default is None or value is None:
         return value
+    if isinstance(default, list) and isinstance(value, tuple):
+        value = list(value)  # --skip_rates=0.1,0.2 (or a = 1, 2 in a file) is a tuple to Python
     if isinstance(default, bool) or isinstance(value, bool):
         ok = isinstance(default, bool) and isinstance(value, bool)
     elif isinstance(default, float) and isinstance(value, int):
@@ -28,13 +34,54 @@ def _check(key, value, defaults, where):
     else:
         ok = isinstance(value, type(default))
     if not ok:
+        hint = f" (a list: --{key}=[a,b] or --{key}=a,b)" if isinstance(default, list) else ""
         raise ConfigError(f"config key '{key}' in {where} expects {type(default).__name__}, "
-                          f"got {type(value).__name__} {value!r}")
+                          f"got {type(value).__name__} {value!r}{hint}")
     return value
 
 
-def configure(argv, defaults):
-    """Return a copy of `defaults` updated from config files and --key=value arguments."""
+def key_comments(sources):
+    """{key: the comment after it on its line} for the keys of each (path, name) in sources: the
+    module-level `name = dict(key=value, ...)` or dataclass `class name: key: type = value` of that file."""
+    comments = {}
+    for path, name in sources:
+        with open(path) as f:
+            source = f.read()
+        # comments after code on their line (tokenize, so a '#' inside a string is not one)
+        after_code = {tok.start[0]: tok.string.lstrip("#").strip()
+                      for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                      if tok.type == tokenize.COMMENT and tok.line[:tok.start[1]].strip()}
+        for node in ast.parse(source).body:
+            if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name] \
+                    and isinstance(node.value, ast.Call):
+                keys = [(kw.arg, kw.value.end_lineno) for kw in node.value.keywords]
+            elif isinstance(node, ast.ClassDef) and node.name == name:
+                keys = [(s.target.id, s.end_lineno) for s in node.body
+                        if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
+            else:
+                continue
+            comments.update({key: after_code[line] for key, line in keys if line in after_code})
+    return comments
+
+
+def describe(defaults, help_from):
+    """--help's text: one line per key of `defaults`: its name, default and comment (key_comments)."""
+    comments = key_comments(help_from)
+    width = max(map(len, defaults))
+    shown = {key: repr(value) for key, value in defaults.items()}
+    value_width = min(24, max(map(len, shown.values())))  # a long default pushes its comment along, alone
+    return "\n".join(["keys: set one in a config file (key = value) or as --key=value; default, what it does"] +
+                     [f"  {key:<{width}}  {shown[key]:<{value_width}}  {comments.get(key, '')}".rstrip()
+                      for key in defaults])
+
+
+def configure(argv, defaults, help_from=()):
+    """Return a copy of `defaults` updated from config files and --key=value arguments. With --help or
+    -h it prints describe(defaults, help_from) and exits: help_from says where `defaults` are written,
+    as (file, dict or dataclass name) pairs whose `key=value,  # comment` lines say what each key does."""
+    if "--help" in argv or "-h" in argv:
+        print(describe(defaults, help_from))
+        raise SystemExit(0)
     config = dict(defaults)
     for arg in argv:
         if not arg.startswith("--"):
@@ -42,6 +89,8 @@ def configure(argv, defaults):
                 with open(arg) as f:
                     source = f.read()
             except OSError as e:
+                if "=" in arg and not os.path.exists(arg):  # n_layer=8: a key without its --
+                    raise ConfigError(f"config file '{arg}' not found; did you mean --{arg.lstrip('-')}?") from None
                 raise ConfigError(f"cannot read config file '{arg}': {e.strerror}") from None
             namespace = {}
             exec(compile(source, arg, "exec"), {}, namespace)
@@ -51,7 +100,7 @@ def configure(argv, defaults):
         else:
             key, sep, text = arg[2:].partition("=")
             if not sep:
-                raise ConfigError(f"expected --key=value, got '{arg}'")
+                raise ConfigError(f"expected --key=value, got '{arg}': write {arg}=VALUE, with no spaces")
             try:
                 value = ast.literal_eval(text)
             except (SyntaxError, ValueError):

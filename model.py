@@ -21,12 +21,12 @@ from kernels import IMPLS, depth_attention, fp32_math, nag_update, rms_norm, upc
 
 @dataclass
 class GPTConfig:
-    block_size: int = 1024
+    block_size: int = 1024  # context length T: tokens per training sequence, and the most a sample attends to
     vocab_size: int = 50257  # real vocab; see padded_vocab_size for the embedding and head rows
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    dropout: float = 0.0
+    n_layer: int = 12  # transformer blocks L: 2L sublayers (attention, MLP)
+    n_head: int = 12  # attention heads; n_embd / n_head must be even (RoPE)
+    n_embd: int = 768  # width d of the residual stream
+    dropout: float = 0.0  # in training only (a run setting: resume may change it)
     residual: str = "prenorm"  # prenorm | sandwich | nag | attnres | block_attnres
     attnres_blocks: Optional[int] = None  # block_attnres: N in [1, L], blocks of ceil(L/N) layers; None: min(8, L)
     # AttnRes ablations (paper §5.3), attnres and block_attnres; the defaults are the paper's method
@@ -37,7 +37,7 @@ class GPTConfig:
     # nag head (NAG.head). cosine: logits = e^s cos(w_v, r), the reference code's (nag-nanochat; the paper's
     # head text was not available) | sqrt_d: e^(s + g_dec) W_hat r / sqrt(d), a learned g_dec and sqrt(d)
     # larger logits (this repo's earlier choice)
-    nag_head: str = "cosine"
+    nag_head: str = "cosine"  # cosine (the reference's) | sqrt_d (this repo's earlier head): see above
     nag_m_floor: float = 1e-6  # nag: the modulator's mixture is clamped >= this before ** beta (reference; 0: none)
     kernels: str = "auto"  # auto (Triton on CUDA tensors) | triton | torch: see kernels.py
     mod: str = "none"  # Mixture-of-Depths: none | nag | router | skip_middle
@@ -46,7 +46,7 @@ class GPTConfig:
     # skip_middle only: where log(g) enters attention. key: the paper's description (other tokens stop
     # reading a token that skipped, so g = 0 tokens are gathered out exactly) | query: the published
     # code (a row bias that softmax cancels; every token runs, masked)
-    skip_middle_gate_axis: str = "key"
+    skip_middle_gate_axis: str = "key"  # key (the paper's description) | query (the published code): see above
     # mod=router only (Raposo et al., arXiv 2404.02258). The paper's whole recipe (every other block at
     # 12.5% capacity) is config/mod_router_paper.py; mod_every=1 stays the default so that mod_rate
     # spans [0, 1) as for the other MoD modes (README, "Fidelity")

@@ -51,7 +51,7 @@ def pick(records, out_dir, it=None):
 def labels(out_dirs, records):
     """residual + depth when every run logged them and that tells the runs apart, else the dir names."""
     names = [os.path.basename(os.path.normpath(d)) for d in out_dirs]
-    rs = [next((r for r in reversed(recs) if "residual" in r), None) for recs in records]
+    rs = [next((r for r in reversed(recs) if r.get("diagnostics")), None) for recs in records]
     if any(r is None for r in rs):
         return names
     mode = [f"{r['residual']}, {len(r['diagnostics']) - 1} sublayers" for r in rs]
@@ -69,7 +69,7 @@ def plot_depth(out_dirs, it=None):
         ax_upd.plot([r["sublayer"] for r in upd], [r["update"] for r in upd], marker="o", label=label)
     ax_rms.set_yscale("log")  # modes differ by orders of magnitude in stream scale
     ax_rms.set_ylabel("RMS of the residual stream entering it")
-    ax_upd.set_ylabel("relative update ||x_{l+1} - x_l|| / ||x_l||")
+    ax_upd.set_ylabel(r"relative update $\|x_{l+1} - x_l\| \,/\, \|x_l\|$")
     for ax in (ax_rms, ax_upd):
         ax.set_xlabel("sublayer (last point of RMS: the head)")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -96,9 +96,15 @@ def plot_weights(out_dir, it=None):
     for i, j in zip(*np.nonzero(~np.isnan(w))) if w.size <= 200 else []:  # numbers while cells are readable
         ax.text(j, i, f"{w[i, j]:.2f}", ha="center", va="center", fontsize=7,
                 color="white" if w[i, j] < 0.6 * np.nanmax(w) else "black")
+    for i in np.nonzero(np.isnan(w).all(1))[0]:  # an empty row would look like missing data
+        ax.text((w.shape[1] - 1) / 2, i, "reads only the embedding", ha="center", va="center", fontsize=7,
+                color="dimgray")
     ax.set_yticks(range(len(rows)), [f"{r['sublayer']} {r['kind']}" for r in rows])
     ax.set_xticks(range(w.shape[1]))
-    ax.set_xlabel("source (0 = embedding)")
+    if rec.get("residual") == "block_attnres":  # sources are blocks: finished ones, then the current one's sum
+        ax.set_xlabel("source block (0 = embedding;\na mid-block row's last: its block so far)")
+    else:
+        ax.set_xlabel("source: sublayer output (0 = embedding)")
     ax.set_ylabel("sublayer")
     ax.set_title(f"{rec.get('residual')} depth weights, iter {rec['iter']}", fontsize=10)
     fig.colorbar(im, ax=ax, label="weight (mean over tokens)")
@@ -110,33 +116,49 @@ def plot_loss(out_dirs):
     runs = [load_log(d) for d in out_dirs]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for recs, label in zip(runs, labels(out_dirs, runs)):
+        # iteration 0's loss is the untrained model's (ln vocab): it would squash the range that matters
+        recs = [r for r in recs if r["iter"] > 0] or recs
         iters = [r["iter"] for r in recs]
-        (line,) = ax.plot(iters, [r["val_loss"] for r in recs], label=f"{label} val")
-        ax.plot(iters, [r["train_loss"] for r in recs], "--", color=line.get_color(), label=f"{label} train")
-    ax.set_xlabel("iter")
-    ax.set_ylabel("loss")
+        (line,) = ax.plot(iters, [r["val_loss"] for r in recs], label=label)
+        ax.plot(iters, [r["train_loss"] for r in recs], "--", color=line.get_color())  # no legend entry: the y-label
+    ax.set_xlabel("iter (the eval at iteration 0 left out)")
+    ax.set_ylabel("loss (solid: val, dashed: train)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
 
+MISSING = "–"  # in a table: a figure the run did not log (the diagnostics need --diagnose=True)
+
+
 def run_figures(out_dir):
     """One run's figures for the table: final and best val loss, the stream growth with depth (RMS the
     head reads / RMS entering sublayer 1, and / RMS entering sublayer 3: the growth after the first
     block, apart from the jump from a small embedding) and, for nag, gate health (mean |a| over the
-    sublayers, and the dead branches: mean |a| < 0.05)."""
+    sublayers, and the dead branches: mean |a| < 0.05). None where the log lacks the diagnostics."""
     recs = load_log(out_dir)
-    rows = pick(recs, out_dir)["diagnostics"]
-    gains = [r["gain"] for r in rows if "gain" in r]
-    return {"run": os.path.basename(os.path.normpath(out_dir)), "residual": recs[-1].get("residual", "?"),
-            "sublayers": len(rows) - 1, "final": recs[-1]["val_loss"], "best": min(r["val_loss"] for r in recs),
-            "growth1": rows[-1]["rms"] / rows[0]["rms"], "growth3": rows[-1]["rms"] / rows[min(2, len(rows) - 1)]["rms"],
+    last = next((r for r in reversed(recs) if r.get("diagnostics")), None)  # None: trained without --diagnose
+    rows = last["diagnostics"] if last else None
+    gains = [r["gain"] for r in rows or [] if "gain" in r]
+    return {"run": os.path.basename(os.path.normpath(out_dir)),
+            "residual": next((r["residual"] for r in reversed(recs) if "residual" in r), MISSING),
+            "sublayers": len(rows) - 1 if rows else None, "final": recs[-1]["val_loss"],
+            "best": min(r["val_loss"] for r in recs),
+            "growth1": rows[-1]["rms"] / rows[0]["rms"] if rows else None,
+            "growth3": rows[-1]["rms"] / rows[min(2, len(rows) - 1)]["rms"] if rows else None,
             "gain": sum(gains) / len(gains) if gains else None, "dead": rows[-1]["dead"] if gains else None}
 
 
+def fmt(value, spec):
+    """value formatted with spec, or MISSING for None."""
+    return MISSING if value is None else f"{value:{spec}}"
+
+
 def mean_pm(values, spec):
-    """mean ± sample std of values (run_config.mean_std), formatted with spec."""
+    """mean ± sample std of values (run_config.mean_std), formatted with spec; MISSING if a run lacks one."""
+    if None in values:
+        return MISSING
     mean, std = mean_std(values)
     return f"{mean:{spec}}" + ("" if std is None else f" ± {std:{spec}}")
 
@@ -144,15 +166,16 @@ def mean_pm(values, spec):
 def table(out_dirs):
     """Markdown: a row per run (run_figures). Step times are left out: runs that share a machine do not
     give comparable ones. Where runs are seeds of one sweep cell (`<cell>_s<seed>`), a second table
-    gives each such cell's mean ± sample std over its seeds."""
+    gives each such cell's mean ± sample std over its seeds. A run trained without --diagnose has its
+    losses and MISSING for the rest."""
     runs = [run_figures(d) for d in out_dirs]
     lines = ["| run | residual | sublayers | final val | best val | RMS head / RMS sublayer 1 "
              "| RMS head / RMS sublayer 3 | nag gates: mean \\|a\\|, dead |",
              "|---|---|---|---|---|---|---|---|"]
     for r in runs:
-        gates = f"{r['gain']:.3f}, {r['dead']:.0f} of {r['sublayers']}" if r["gain"] is not None else "-"
-        lines.append(f"| {r['run']} | {r['residual']} | {r['sublayers']} | {r['final']:.4f} | {r['best']:.4f} "
-                     f"| {r['growth1']:.2f} | {r['growth3']:.2f} | {gates} |")
+        gates = f"{r['gain']:.3f}, {r['dead']:.0f} of {r['sublayers']}" if r["gain"] is not None else MISSING
+        lines.append(f"| {r['run']} | {r['residual']} | {fmt(r['sublayers'], 'd')} | {r['final']:.4f} "
+                     f"| {r['best']:.4f} | {fmt(r['growth1'], '.2f')} | {fmt(r['growth3'], '.2f')} | {gates} |")
     cells = {}
     for r in runs:
         cells.setdefault(seed_cell(r["run"]), []).append(r)
@@ -163,8 +186,9 @@ def table(out_dirs):
                   "| cell | seeds | final val | best val | RMS head / RMS sublayer 1 | RMS head / RMS sublayer 3 "
                   "| nag gates: mean \\|a\\|, dead |", "|---|---|---|---|---|---|---|"]
         for c, rs in cells.items():
-            gates = "-" if rs[0]["gain"] is None else (f"{mean_pm([r['gain'] for r in rs], '.3f')}, "
-                                                       f"{mean_pm([r['dead'] for r in rs], '.1f')} of {rs[0]['sublayers']}")
+            gains = [r["gain"] for r in rs]
+            gates = MISSING if None in gains else (f"{mean_pm(gains, '.3f')}, "
+                                                   f"{mean_pm([r['dead'] for r in rs], '.1f')} of {rs[0]['sublayers']}")
             lines.append(f"| {c} | {len(rs)} | {mean_pm([r['final'] for r in rs], '.4f')} "
                          f"| {mean_pm([r['best'] for r in rs], '.4f')} | {mean_pm([r['growth1'] for r in rs], '.2f')} "
                          f"| {mean_pm([r['growth3'] for r in rs], '.2f')} | {gates} |")
@@ -270,11 +294,14 @@ COMMANDS = {"depth": "residual RMS and relative update size vs sublayer",
 
 def main(argv):
     """Draw, write the file, print its path; returns the Figure (table: the text), which the tests read."""
+    if "--help" in argv or "-h" in argv:
+        print(__doc__)  # the commands; configure then lists the keys and exits
+    options = [a for a in argv if a.startswith("--") or a == "-h"]
+    cfg = configure(options, DEFAULTS, [(__file__, "DEFAULTS")])
     if not argv or argv[0] not in COMMANDS:
         raise ConfigError(f"the first argument is the command: {', '.join(COMMANDS)} (e.g. python plot.py "
                           f"loss out-nag out-prenorm)")
-    cmd, out_dirs = argv[0], [a for a in argv[1:] if not a.startswith("--")]
-    cfg = configure([a for a in argv[1:] if a.startswith("--")], DEFAULTS)
+    cmd, out_dirs = argv[0], [a for a in argv[1:] if a not in options]
     single = cmd in ("weights", "routing")
     if not single:  # files are skipped, so that a sweep's out/<sweep>/* can be passed whole (its results.*)
         out_dirs = [d for d in out_dirs if not os.path.isfile(d)]

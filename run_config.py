@@ -26,48 +26,50 @@ EVAL_SEED = 12345  # evals use the same batches every time, in every run: losses
 
 DEFAULTS = dict(
     # I/O
-    out_dir="out",
-    eval_interval=250,
-    log_interval=10,
-    eval_iters=200,
-    eval_only=False,
-    always_save_checkpoint=True,
+    out_dir="out",  # checkpoint (ckpt.pt) and log (log.jsonl) go here
+    eval_interval=250,  # iterations between evals (each logs to log.jsonl and may save a checkpoint)
+    log_interval=10,  # iterations between the printed step lines
+    eval_iters=200,  # batches per split the eval losses average over
+    eval_only=False,  # True: one eval, then exit (a checkpoint it read stays as it was)
+    always_save_checkpoint=True,  # False: save only when the val loss improves
     init_from="scratch",  # 'scratch' or 'resume'
     diagnose=False,  # log model.diagnostics() of a fixed val batch with every eval (plot with plot.py)
     # wandb logging (nanoGPT's keys): each eval's log.jsonl numbers go to Weights & Biases too; needs pip install wandb
-    wandb_log=False,
-    wandb_project="nanodepth",
+    wandb_log=False,  # True: each eval's numbers go to Weights & Biases too
+    wandb_project="nanodepth",  # the W&B project of wandb_log
     wandb_run_name="",  # empty: the name of out_dir
     # data
-    dataset="openwebtext",
-    data_dir=os.path.join(REPO, "data"),
+    dataset="openwebtext",  # data_dir/dataset/ holds train.bin, val.bin (and meta.pkl)
+    data_dir=os.path.join(REPO, "data"),  # where the datasets are
     gradient_accumulation_steps=40,  # global: divided among DDP ranks
     batch_size=12,  # per micro-step and rank
     # AdamW
-    learning_rate=6e-4,
-    max_iters=600000,
+    learning_rate=6e-4,  # the peak LR, after warm-up
+    max_iters=600000,  # training iterations (optimizer steps)
     max_flops=None,  # a training FLOP budget (flops.py's count); when set it decides max_iters
-    weight_decay=1e-1,
-    beta1=0.9,
-    beta2=0.95,
-    # residual=nag only: nag-nanochat's training recipe (README, "Fidelity")
-    nag_gate_lr_scale=1.0,  # LR of alpha and the modulators = this x the scheduled LR; reference: gate LR 1e-3,
-    # 0.05 x its Muon matrix LR (0.02), about 1x our AdamW LR (6e-4 .. 1e-3): so 1 here
+    weight_decay=1e-1,  # AdamW's, on the matrices (not on norms, gains and biases)
+    beta1=0.9,  # AdamW's first-moment decay
+    beta2=0.95,  # AdamW's second-moment decay
+    # residual=nag only: nag-nanochat's training recipe (README, "Fidelity"). nag_gate_lr_scale: the reference's
+    # gate LR 1e-3 is 0.05 x its Muon matrix LR (0.02), about 1x our AdamW LR (6e-4 .. 1e-3): so 1 here
+    nag_gate_lr_scale=1.0,  # LR of alpha and the modulators = this x the scheduled LR (1: the reference's)
     nag_gate_decay=False,  # True: weight decay on the modulator matrices too (the reference has none; an ablation)
     nag_alpha_warmup_tokens=0,  # alpha x min(1, tokens trained / this), 0 at iteration 0; reference: 600 * 2**19 (0: off)
     grad_clip=1.0,  # 0 disables
     max_bad_steps=10,  # stop after this many consecutive steps with non-finite gradients (0 or 1: the first)
     # cosine LR schedule with linear warmup
-    decay_lr=True,
-    warmup_iters=2000,
+    decay_lr=True,  # False: the LR stays at learning_rate after warm-up
+    warmup_iters=2000,  # iterations of linear warm-up from 0
     lr_decay_iters=None,  # None: max_iters
     min_lr=None,  # None: learning_rate / 10
     # system
     device="auto",  # 'auto', 'cpu', 'cuda', 'cuda:1', ...: see pick_device
     dtype="auto",  # 'auto', 'float32', 'bfloat16' or 'float16': see pick_device
-    compile=False,
-    seed=1337,
+    compile=False,  # torch.compile the model (the Triton kernels stay visible as custom ops)
+    seed=1337,  # init and batches; DDP ranks add their rank
 )
+# where DEFAULTS are written: configurator's --help prints the comment on each key's line
+HELP_FROM = [(os.path.abspath(__file__), "DEFAULTS"), (os.path.join(REPO, "model.py"), "GPTConfig")]
 # every GPTConfig field but vocab_size (it comes from the data), e.g. residual, mod, mod_rate, skip_target
 MODEL_KEYS = [f.name for f in fields(GPTConfig) if f.name != "vocab_size"]
 DEFAULTS.update({f.name: f.default for f in fields(GPTConfig) if f.name != "vocab_size"})

@@ -11,6 +11,11 @@ Generation uses a per-layer KV cache by default (kv_cache=True). tokens/s goes t
 Mixture-of-Depths model (mod != none) so does the realised skip rate of every sublayer, 1 - executed /
 tokens over everything generated (eval routing: a token runs sublayer l iff its score >= tau_l; a
 sublayer whose tau is nan runs every token).
+
+kv_cache=False gives the same text for the same seed while the prompt and the new tokens fit in
+block_size: both draw one random number per token, from logits equal up to float rounding. Past
+block_size the texts part, because the contexts do: a full cache restarts from the last
+block_size / 2 tokens, while recomputing reads the last block_size tokens (model.generate).
 """
 
 import os
@@ -26,21 +31,21 @@ from run_config import load_checkpoint, load_codec, model_from_checkpoint, pick_
 DEFAULTS = dict(
     out_dir="out",  # the checkpoint is out_dir/ckpt.pt
     start="\n",  # the prompt, or FILE:path to read it from a file
-    num_samples=3,
-    max_new_tokens=500,
+    num_samples=3,  # samples drawn one after another from the same prompt
+    max_new_tokens=500,  # tokens generated per sample
     temperature=0.8,  # 1.0 = the model's distribution, < 1 sharper, 0 = greedy
     top_k=200,  # keep only the top_k most likely tokens (None: all)
-    seed=1337,
-    device="auto",
-    dtype="auto",
+    seed=1337,  # torch's seed: the same seed gives the same text (see kv_cache)
+    device="auto",  # auto (the GPU if there is one, else the CPU), cpu, cuda, cuda:1, ...
+    dtype="auto",  # auto (bf16 or fp16 autocast on a GPU, fp32 on the CPU), float32, bfloat16, float16
     kernels=None,  # None: the checkpoint's; auto | triton | torch (a run setting, as in train.py)
     compile=False,  # removed: True is an error (generation runs eagerly; see main)
-    kv_cache=True,  # False: recompute the whole (cropped) context for every new token
+    kv_cache=True,  # False: recompute the whole (cropped) context for every new token; see the docstring
 )
 
 
 def main(argv):
-    cfg = configure(argv, DEFAULTS)
+    cfg = configure(argv, DEFAULTS, [(__file__, "DEFAULTS")])  # --help prints DEFAULTS' comments
     if cfg["compile"]:  # it used to compile a module that generate() never ran
         raise ConfigError("sample.py no longer takes --compile=True: generation runs eagerly (the KV-cache step "
                           "changes shape every token); drop --compile")

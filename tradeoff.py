@@ -3,7 +3,7 @@ Post-training Mixture-of-Depths trade-off of a NAG model: val loss vs executed f
 with no retraining.
 
     python tradeoff.py --out_dir=out-nag
-    python tradeoff.py --out_dir=out-nag --eval_iters=20 --batch_size=8 --skip_rates=[0,0.1,0.2,0.3,0.5]
+    python tradeoff.py --out_dir=out-nag --eval_iters=20 --batch_size=8 --skip_rates=0,0.1,0.2,0.3,0.5
     python tradeoff.py --out_dir=out-nag --out_file=plots/nag_L8    # plots/nag_L8.csv and .png
 
 It takes out_dir/ckpt.pt of a residual=nag model, trained dense (mod=none) or with mod=nag at any
@@ -61,7 +61,7 @@ DEFAULTS = dict(
     calibration="global",  # global | routed | dense, or several with commas: one curve each (see the docstring)
     dataset=None,  # None: the checkpoint's
     data_dir=None,  # None: the checkpoint's
-    device="auto",
+    device="auto",  # auto (the GPU if there is one, else the CPU), cpu, cuda, cuda:1, ...
     dtype="auto",  # auto: bf16 autocast on a GPU that has it, fp16 on one that has not, fp32 on the CPU
 )
 CALIB_SEED = EVAL_SEED + 1  # calibration batches differ from the evaluation batches
@@ -268,7 +268,7 @@ def check(cfg):
 
 def main(argv):
     """Run the trade-off; returns the rows (dicts) it wrote to the CSV."""
-    cfg = configure(argv, DEFAULTS)
+    cfg = configure(argv, DEFAULTS, [(__file__, "DEFAULTS")])  # --help prints DEFAULTS' comments
     rates, methods = check(cfg)
     device, cfg["dtype"], autocast = pick_device(cfg["device"], cfg["dtype"])
 

@@ -33,8 +33,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from configurator import ConfigError, configure
 from flops import iterations_for_budget, mfu, train_flops_per_token
 from model import GPT, SkipMiddle
-from run_config import (DEFAULTS, EVAL_SEED, MODEL_KEYS, RUN_KEYS, find_data, get_batch, load_checkpoint,
-                        model_config, pick_device, save_checkpoint)
+from run_config import (DEFAULTS, EVAL_SEED, HELP_FROM, MODEL_KEYS, RUN_KEYS, find_data, get_batch,
+                        load_checkpoint, model_config, pick_device, save_checkpoint)
 
 WARMUP_CAP = 0.1  # with max_flops, warmup_iters is at most this fraction of the budget's iterations (rounded up)
 POSITIVE_KEYS = ("batch_size", "gradient_accumulation_steps", "eval_interval", "log_interval", "eval_iters")
@@ -651,7 +651,7 @@ class Trainer:
                              torch.Generator().manual_seed(EVAL_SEED), self.device)
             with self.autocast:
                 record["diagnostics"] = self.raw_model.diagnostics(X)
-            record["residual"] = cfg["residual"]
+        record["residual"] = cfg["residual"]  # plot.py's labels and tables
         return record
 
     def save(self, rngs, flops):
@@ -825,7 +825,7 @@ class Trainer:
 
 
 def main(argv):
-    return Trainer(configure(argv, DEFAULTS), argv).run()
+    return Trainer(configure(argv, DEFAULTS, HELP_FROM), argv).run()
 
 
 if __name__ == "__main__":

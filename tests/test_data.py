@@ -1,4 +1,5 @@
 """Tests of the data preparation scripts: CPU only, no network, everything written under tmp_path."""
+import hashlib
 import io
 import os
 import pickle
@@ -19,7 +20,9 @@ import data.shakespeare.prepare as bpe  # noqa: E402
 import data.shakespeare_char.prepare as sc  # noqa: E402
 import run_config  # noqa: E402
 
-TINY = Path(os.environ.get("TINY_SHAKESPEARE") or Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare/input.txt")
+SHIPPED = REPO / "data/shakespeare_char/input.txt"
+TINY = Path(os.environ.get("TINY_SHAKESPEARE") or SHIPPED)  # the reference text: the shipped copy unless given
+TINY_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"  # karpathy/char-rnn's input.txt
 
 
 def utf8_bytes(s):
@@ -54,7 +57,6 @@ def offline(monkeypatch, tmp_path):
 # -----------------------------------------------------------------------------
 # shakespeare_char
 
-@pytest.mark.skipif(not TINY.is_file(), reason=f"tiny shakespeare not found at {TINY} (set TINY_SHAKESPEARE)")
 def test_shakespeare_char_exact(tmp_path):
     stats = sc.prepare(out_dir=tmp_path, input_path=str(TINY))
     meta = read_meta(tmp_path)
@@ -95,10 +97,10 @@ def test_url_is_second_and_cached(monkeypatch):
     assert sc.load_text() == ("from the url\n", "tinyshakespeare", sc.LOCAL_COPY)
 
 
-@pytest.mark.skipif(not TINY.is_file(), reason=f"tiny shakespeare not found at {TINY}")
 def test_shipped_copy_is_exact_tiny_shakespeare():
-    shipped = Path(__file__).resolve().parents[1] / "data/shakespeare_char/input.txt"
-    assert shipped.read_bytes() == TINY.read_bytes()
+    shipped = SHIPPED.read_bytes()
+    assert hashlib.sha256(shipped).hexdigest() == TINY_SHA256 and len(shipped.decode("utf-8")) == sc.TINY_NUM_CHARS
+    assert shipped == TINY.read_bytes()  # and the same as $TINY_SHAKESPEARE, when that names another copy
 
 
 def fake_sdist(dest_dir, kind):
@@ -192,6 +194,23 @@ def synthetic_documents(n=50, seed=0):
     docs = ["".join(rng.choice("the quick fox é\n") for _ in range(rng.randrange(0, 120))) for _ in range(n)]
     docs[7] = ""  # an empty document still gets its end-of-text token
     return docs
+
+
+@pytest.mark.parametrize("failure, says, not_says", [
+    ("download", ["internet", "TIKTOKEN_CACHE_DIR", "ConnectionError"], "pip install"),
+    ("import", ["pip install tiktoken"], "internet")])
+def test_openwebtext_gpt2_error_names_what_failed(monkeypatch, failure, says, not_says):
+    """tiktoken missing asks for pip install; tiktoken there but its BPE download failing asks for the network."""
+    import tiktoken
+
+    def offline_get_encoding(name):
+        raise ConnectionError("no internet")
+    monkeypatch.setattr(tiktoken, "get_encoding", offline_get_encoding)
+    if failure == "import":
+        monkeypatch.setitem(sys.modules, "tiktoken", None)  # import tiktoken raises ImportError
+    with pytest.raises(RuntimeError) as e:
+        owt.load_gpt2()
+    assert all(s in str(e.value) for s in says) and not_says not in str(e.value), str(e.value)
 
 
 def test_tokenize_appends_eot():

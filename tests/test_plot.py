@@ -73,6 +73,8 @@ def test_depth(runs, tmp_path, capsys):
     for line, rows in zip(ax_upd.lines, [NAG, ATTNRES]):  # the head makes no update
         assert list(line.get_xdata()) == [1, 2, 3, 4]
         assert list(line.get_ydata()) == [r["update"] for r in rows[:4]]
+    ylabel = ax_upd.get_ylabel()  # mathtext, which the PNG above rendered: ‖x_{l+1} - x_l‖, not "||x_{l+1} ..."
+    assert ylabel.count("$") == 2 and r"\|x_{l+1} - x_l\|" in ylabel
 
     fig = plot.main(["depth", runs["nag"], "--iter=10", f"--out={out}"])
     assert list(fig.axes[0].lines[0].get_ydata()) == [r["rms"] for r in scaled(NAG, 10)]
@@ -91,6 +93,15 @@ def test_weights(runs, tmp_path):
         want[i, :len(r.get("depth_weights", []))] = r.get("depth_weights", [])
     np.testing.assert_array_equal(got, want)
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()][-1] == "5 head"
+    # the empty first row says why: sublayer 1 reads the embedding directly (one note, on row 0)
+    notes = [t for t in fig.axes[0].texts if "embedding" in t.get_text()]
+    assert len(notes) == 1 and notes[0].get_position()[1] == 0
+    assert fig.axes[0].get_xlabel().startswith("source: sublayer output")
+
+
+def test_weights_of_block_attnres_are_over_blocks(tmp_path):
+    fig = plot.main(["weights", write_run(tmp_path, "block", "block_attnres", ATTNRES), f"--out={tmp_path / 'w.png'}"])
+    assert fig.axes[0].get_xlabel().startswith("source block (0 = embedding")
 
 
 def test_weights_errors(runs, tmp_path):
@@ -106,11 +117,15 @@ def test_loss(runs, tmp_path):
     out = tmp_path / "loss.png"
     fig = plot.main(["loss", runs["nag"], runs["prenorm"], f"--out={out}"])
     assert_png(out)
-    val, train = fig.axes[0].lines[:2]
-    assert list(val.get_xdata()) == [0, 10, 20] and list(val.get_ydata()) == [4.3, 3.2, 2.7]
-    assert list(train.get_ydata()) == [4.2, 3.1, 2.5] and train.get_linestyle() == "--"
-    assert val.get_color() == train.get_color()
-    assert len(fig.axes[0].lines) == 4  # val and train for each of the two runs
+    ax = fig.axes[0]
+    val, train = ax.lines[:2]
+    # iteration 0 (the untrained loss, 4.3) is left out, so the y range is the one the runs differ in
+    assert list(val.get_xdata()) == [10, 20] and list(val.get_ydata()) == [3.2, 2.7]
+    assert list(train.get_ydata()) == [3.1, 2.5] and train.get_linestyle() == "--"
+    assert val.get_color() == train.get_color() and ax.get_ylim()[1] < 4.2
+    assert len(ax.lines) == 4  # val and train for each of the two runs
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["nag, 4 sublayers", "prenorm, 4 sublayers"]
+    assert "solid: val, dashed: train" in ax.get_ylabel()  # what the one entry per run leaves out
 
 
 def test_table(runs, tmp_path):
@@ -123,7 +138,26 @@ def test_table(runs, tmp_path):
     assert nag[:6] == ["nag", "nag", "4", "2.7000", "2.7000", "4.00"]
     assert prenorm[5] == f"{0.6 / 0.1:.2f}"
     assert nag[6] == f"{4.0 / 2.0:.2f}" and prenorm[6] == f"{0.6 / 0.3:.2f}"  # growth after the first block
-    assert nag[7] == f"{(0.1 + 0.2 + 0.3 + 0.4) / 4:.3f}, 1 of 4" and prenorm[7] == "-"  # nag's gate health
+    assert nag[7] == f"{(0.1 + 0.2 + 0.3 + 0.4) / 4:.3f}, 1 of 4" and prenorm[7] == "–"  # nag's gate health
+
+
+def test_runs_trained_without_diagnose(runs, tmp_path):
+    """A log without diagnostics (train.py without --diagnose) still gets its losses in a table, the rest
+    –, in the per-run table and in the per-cell one; and its loss curve."""
+    log = "".join(json.dumps({"iter": i, "train_loss": t, "val_loss": v, "residual": "sandwich"}) + "\n"
+                  for i, t, v in [(0, 4.2, 4.3), (10, 2.9, 3.0), (20, 2.5, 3.1)])
+    for seed in (1, 2):
+        (tmp_path / f"plain_s{seed}").mkdir()
+        (tmp_path / f"plain_s{seed}" / "log.jsonl").write_text(log)
+    text = plot.main(["table", runs["nag"], str(tmp_path / "plain_s1"), str(tmp_path / "plain_s2")])
+    per_run, per_cell = text.split("Per cell")
+    nag, plain = ([c.strip() for c in line.split("|")[1:-1]] for line in per_run.splitlines()[2:4])
+    assert plain == ["plain_s1", "sandwich", "–", "3.1000", "3.0000", "–", "–", "–"]  # val losses from the log
+    assert nag[3:6] == ["2.7000", "2.7000", "4.00"]
+    cell = [c.strip() for c in per_cell.strip().splitlines()[-1].split("|")[1:-1]]
+    assert cell == ["plain", "2", "3.1000 ± 0.0000", "3.0000 ± 0.0000", "–", "–", "–"]
+    fig = plot.main(["loss", str(tmp_path / "plain_s1"), runs["nag"], f"--out={tmp_path / 'loss.png'}"])
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["plain_s1", "nag"]  # the dir names
 
 
 def test_table_per_cell_over_seeds(tmp_path):

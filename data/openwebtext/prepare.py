@@ -90,10 +90,14 @@ def load_gpt2():
     """tiktoken's gpt2 Encoding; tiktoken downloads the BPE files on first use."""
     try:
         import tiktoken
+    except ImportError:
+        raise RuntimeError("openwebtext needs tiktoken for the gpt2 BPE: pip install tiktoken") from None
+    try:
         return tiktoken.get_encoding("gpt2")
-    except Exception as e:
-        raise RuntimeError(f"could not load tiktoken's gpt2 BPE ({type(e).__name__}): pip install tiktoken, and run "
-                           "once with internet access or set TIKTOKEN_CACHE_DIR to a cached copy") from None
+    except Exception as e:  # tiktoken is there: what failed is fetching (or reading) its BPE files
+        raise RuntimeError(f"tiktoken could not load its gpt2 BPE files ({type(e).__name__}): it downloads them "
+                           "on first use, so run once with internet access, or set TIKTOKEN_CACHE_DIR to a cached "
+                           "copy") from None
 
 
 def split_train_val(dataset):
