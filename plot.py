@@ -24,14 +24,15 @@ from matplotlib.colors import ListedColormap
 from matplotlib.ticker import MaxNLocator
 
 from configurator import ConfigError, configure
-from run_config import (EVAL_SEED, get_batch, load_checkpoint, load_codec, load_log, mean_std, model_from_checkpoint,
-                        seed_cell)
+from run_config import (EVAL_SEED, MISSING, SIGNIFICANCE_HEADER, get_batch, load_checkpoint, load_codec, load_log,
+                        mean_std, model_from_checkpoint, seed_cell, significance_cells)
 
 DEFAULTS = dict(
     iter=None,  # depth, weights: the eval at this iter (None: the last one with diagnostics)
     out=None,  # the file written (None: <command>.png; table: print only; routing: its table goes to .md)
     text=None,  # routing: the passage drawn (None: the first block_size tokens of the val split)
     batches=20,  # routing: val batches (seed EVAL_SEED) the table of which tokens skip most counts over
+    baseline=None,  # table: the cell every sweep cell is tested against (None: the first cell of its depth)
 )
 
 
@@ -129,7 +130,7 @@ def plot_loss(out_dirs):
     return fig
 
 
-MISSING = "–"  # in a table: a figure the run did not log (the diagnostics need --diagnose=True)
+
 
 
 def run_figures(out_dir):
@@ -163,11 +164,12 @@ def mean_pm(values, spec):
     return f"{mean:{spec}}" + ("" if std is None else f" ± {std:{spec}}")
 
 
-def table(out_dirs):
+def table(out_dirs, baseline=None):
     """Markdown: a row per run (run_figures). Step times are left out: runs that share a machine do not
     give comparable ones. Where runs are seeds of one sweep cell (`<cell>_s<seed>`), a second table
-    gives each such cell's mean ± sample std over its seeds. A run trained without --diagnose has its
-    losses and MISSING for the rest."""
+    gives each such cell's mean ± sample std over its seeds, and its final val loss against a baseline
+    cell (`baseline`, else the first cell of the same depth): Welch's test (run_config.significance_cells).
+    A run trained without --diagnose has its losses and MISSING for the rest."""
     runs = [run_figures(d) for d in out_dirs]
     lines = ["| run | residual | sublayers | final val | best val | RMS head / RMS sublayer 1 "
              "| RMS head / RMS sublayer 3 | nag gates: mean \\|a\\|, dead |",
@@ -181,17 +183,24 @@ def table(out_dirs):
         cells.setdefault(seed_cell(r["run"]), []).append(r)
     cells.pop(None, None)  # runs not named <cell>_s<seed>
     cells = {c: rs for c, rs in cells.items() if len(rs) > 1}
+    if baseline is not None and baseline not in cells:
+        raise ConfigError(f"--baseline={baseline} is not a cell of these runs; cells: {', '.join(cells)}")
     if cells:
-        lines += ["", "Per cell, mean ± sample std over its seeds:", "",
+        lines += ["", "Per cell, mean ± sample std over its seeds; final val against the baseline cell "
+                  "(* p < 0.05, Welch's t-test):", "",
                   "| cell | seeds | final val | best val | RMS head / RMS sublayer 1 | RMS head / RMS sublayer 3 "
-                  "| nag gates: mean \\|a\\|, dead |", "|---|---|---|---|---|---|---|"]
+                  "| nag gates: mean \\|a\\|, dead | baseline | " + " | ".join(SIGNIFICANCE_HEADER) + " |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for c, rs in cells.items():
+            base = baseline or next(b for b, bs in cells.items() if bs[0]["sublayers"] == rs[0]["sublayers"])
+            vs = ([MISSING] * 4 if base == c else
+                  significance_cells([r["final"] for r in rs], [r["final"] for r in cells[base]]))
             gains = [r["gain"] for r in rs]
             gates = MISSING if None in gains else (f"{mean_pm(gains, '.3f')}, "
                                                    f"{mean_pm([r['dead'] for r in rs], '.1f')} of {rs[0]['sublayers']}")
             lines.append(f"| {c} | {len(rs)} | {mean_pm([r['final'] for r in rs], '.4f')} "
                          f"| {mean_pm([r['best'] for r in rs], '.4f')} | {mean_pm([r['growth1'] for r in rs], '.2f')} "
-                         f"| {mean_pm([r['growth3'] for r in rs], '.2f')} | {gates} |")
+                         f"| {mean_pm([r['growth3'] for r in rs], '.2f')} | {gates} | {base} | {' | '.join(vs)} |")
     return "\n".join(lines)
 
 
@@ -308,6 +317,8 @@ def main(argv):
     if not out_dirs or (single and len(out_dirs) > 1):
         raise ConfigError(f"plot.py {cmd} takes {'one out_dir' if single else 'one or more out_dirs'}, "
                           f"got {len(out_dirs)}")
+    if cfg["baseline"] is not None and cmd != "table":
+        raise ConfigError(f"--baseline applies to table, not {cmd}: drop it")
     if cfg["iter"] is not None and cmd not in ("depth", "weights"):
         raise ConfigError(f"--iter applies to depth and weights, not {cmd}: drop it")
     if cmd != "routing" and (cfg["text"] is not None or cfg["batches"] != DEFAULTS["batches"]):
@@ -316,7 +327,7 @@ def main(argv):
         raise ConfigError(f"--batches must be a positive integer, got {cfg['batches']!r}")
 
     if cmd == "table":
-        text = table(out_dirs)
+        text = table(out_dirs, cfg["baseline"])
         print(text)
         if cfg["out"]:
             with open(cfg["out"], "w") as f:

@@ -1,6 +1,7 @@
 """plot.py on hand-written log.jsonl files: each subcommand writes a PNG of the data in the log; routing
 on tiny MoD checkpoints."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -155,7 +156,7 @@ def test_runs_trained_without_diagnose(runs, tmp_path):
     assert plain == ["plain_s1", "sandwich", "–", "3.1000", "3.0000", "–", "–", "–"]  # val losses from the log
     assert nag[3:6] == ["2.7000", "2.7000", "4.00"]
     cell = [c.strip() for c in per_cell.strip().splitlines()[-1].split("|")[1:-1]]
-    assert cell == ["plain", "2", "3.1000 ± 0.0000", "3.0000 ± 0.0000", "–", "–", "–"]
+    assert cell == ["plain", "2", "3.1000 ± 0.0000", "3.0000 ± 0.0000", "–", "–", "–", "plain", "–", "–", "–", "–"]
     fig = plot.main(["loss", str(tmp_path / "plain_s1"), runs["nag"], f"--out={tmp_path / 'loss.png'}"])
     assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["plain_s1", "nag"]  # the dir names
 
@@ -178,7 +179,48 @@ def test_table_per_cell_over_seeds(tmp_path):
     gain1, gain2 = 0.25, 0.5  # mean |a| of NAG's gains 0.1..0.4, and twice that
     assert cells[1] == ["nag_L2", "2", f"{2.6:.4f} ± {std(2.7, 2.5):.4f}", f"{2.6:.4f} ± {std(2.7, 2.5):.4f}",
                         f"{(4.0 + 6.0) / 2:.2f} ± {std(4.0, 6.0):.2f}", f"{(2.0 + 3.0) / 2:.2f} ± {std(2.0, 3.0):.2f}",
-                        f"{(gain1 + gain2) / 2:.3f} ± {std(gain1, gain2):.3f}, {2.0:.1f} ± {std(1.0, 3.0):.1f} of 4"]
+                        f"{(gain1 + gain2) / 2:.3f} ± {std(gain1, gain2):.3f}, {2.0:.1f} ± {std(1.0, 3.0):.1f} of 4",
+                        "nag_L2", "–", "–", "–", "–"]  # its own baseline: nothing to test
+
+
+def final_val_runs(root, cells):
+    """Runs <cell>_s<seed> whose final val losses are given, per cell: {cell: (diagnostics, [losses])}."""
+    dirs = []
+    for cell, (diagnostics, losses) in cells.items():
+        for seed, loss in enumerate(losses, 1):
+            d = write_run(root, f"{cell}_s{seed}", "nag", diagnostics)
+            log = Path(d) / "log.jsonl"
+            log.write_text(log.read_text().replace('"val_loss": 2.7', f'"val_loss": {loss}'))
+            dirs.append(d)
+    return dirs
+
+
+def test_table_tests_each_cell_against_its_baseline(tmp_path):
+    """Each cell's final val loss against a baseline cell, by default the first cell of its depth
+    (sublayers), else --baseline: the columns are run_config.significance_cells of the two cells' losses
+    (Welch's test: tests/test_stats.py), so a cell compared with the wrong baseline fails."""
+    deep = [{"sublayer": l, "kind": "mlp" if l % 2 == 0 else "attn", "rms": 0.1 * l, "update": 0.5}
+            for l in range(1, 9)] + [{"sublayer": 9, "kind": "head", "rms": 1.0}]  # 4 layers
+    losses = {"a_L2": [2.70, 2.72, 2.71], "b_L2": [2.60, 2.61, 2.63], "c_L4": [2.50, 2.58, 2.52],
+              "d_L4": [2.49, 2.53, 2.50]}
+    cells = {c: (PRENORM if c.endswith("L2") else deep, v) for c, v in losses.items()}
+    dirs = final_val_runs(tmp_path, cells)
+
+    def rows(*options):
+        text = plot.main(["table", *dirs, *options])
+        per_cell = text.split("Per cell")[1]
+        return {r[0]: r for r in ([c.strip() for c in line.split("|")[1:-1]] for line in per_cell.splitlines()
+                                  if line.startswith("| ") and "---" not in line)}
+    got = rows()
+    assert got["a_L2"][7:] == ["a_L2", "–", "–", "–", "–"] and got["c_L4"][7:] == ["c_L4", "–", "–", "–", "–"]
+    assert got["b_L2"][7:] == ["a_L2", *run_config.significance_cells(losses["b_L2"], losses["a_L2"])]
+    assert got["d_L4"][7:] == ["c_L4", *run_config.significance_cells(losses["d_L4"], losses["c_L4"])]
+    assert got["b_L2"][10].endswith(" *") and got["b_L2"][11] == "significant"  # 0.1 apart, std ~0.015
+    assert not got["d_L4"][10].endswith(" *")  # 0.027 apart, std ~0.04: not at 3 seeds
+    got = rows("--baseline=b_L2")
+    assert got["d_L4"][7:] == ["b_L2", *run_config.significance_cells(losses["d_L4"], losses["b_L2"])]
+    with pytest.raises(ConfigError, match="--baseline=e_L2 is not a cell"):
+        plot.main(["table", *dirs, "--baseline=e_L2"])
 
 
 def test_command_line_errors(runs, tmp_path):
