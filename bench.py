@@ -55,12 +55,21 @@ from model import GPT, GPTConfig, RESIDUALS
 import run_config
 from run_config import REPO, pick_device
 
-DEFAULTS = dict(section="all", device="auto", dtype="auto", compile=True, reps=0, batch_size=0,
-                pairs=3, max_iters=600,  # --section=quickstart: interleaved pairs of runs, iterations per run
-                layers=0,  # --section=model: the depth (0: 12 on a GPU, 4 on a CPU); sample: 0 = 8
-                out_dir="", tokens=500, width=128,  # --section=sample: a mod=nag checkpoint ("" a random model
-                # --layers deep, --width wide), tokens per sample
-                backend="inductor")  # backend: torch.compile's, for --section=compile
+DEFAULTS = dict(
+    section="all",  # all (kernels, model, mod) | kernels | model | mod | compile | quickstart | sample
+    device="auto",  # auto (the GPU if there is one, else the CPU), cpu, cuda, cuda:1, ...
+    dtype="auto",  # auto (bf16 or fp16 on a GPU, fp32 on the CPU), float32, bfloat16, float16
+    compile=True,  # kernels: also time torch.compile of the references; model, mod: compile the step (GPU only)
+    reps=0,  # timed calls per measurement (0: 50 on a GPU, 20 on a CPU)
+    batch_size=0,  # model, mod, compile: sequences per step (0: the section's own)
+    pairs=3,  # quickstart, sample: interleaved pairs of runs
+    max_iters=600,  # quickstart: iterations per run
+    layers=0,  # model: the depth (0: 12 on a GPU, 4 on a CPU); sample: the random model's (0: 8)
+    out_dir="",  # sample: a mod=nag checkpoint's out_dir ("": a random model, --layers deep, --width wide)
+    tokens=500,  # sample: tokens per sample
+    width=128,  # sample: the random model's width
+    backend="inductor",  # compile: torch.compile's backend (aot_eager compiles in seconds, for a quick check)
+)
 
 
 def timeit(fn, device, reps, warmup=3):
@@ -144,27 +153,33 @@ def time_steps(configs, device, dtype, use_compile, reps, B, backend="inductor")
     drift on a shared machine hits each alike."""
     gpu = device.type == "cuda"
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    configs = {name: c if isinstance(c, tuple) else (c, use_compile) for name, c in configs.items()}
+    # Every GPT shares one dynamo cache (GPT.forward's), an entry per compiled model; past recompile_limit
+    # (8) a model silently runs eager. So a fresh cache per table, with room for each of its models (a
+    # reset between models would drop the compiled code that the interleaved rounds still call).
+    torch._dynamo.reset()
+    room = torch._dynamo.config.recompile_limit + sum(compiled for _, compiled in configs.values())
     steps, mem = {}, {}
-    for name, config in configs.items():
-        config, compiled = config if isinstance(config, tuple) else (config, use_compile)
-        base_mem = torch.cuda.memory_allocated() if gpu else 0
-        if gpu:
-            torch.cuda.reset_peak_memory_stats()
-        torch.manual_seed(0)
-        model = GPT(config).to(device)
-        opt = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95))
-        step_model = torch.compile(model, backend=backend) if compiled else model
-        x = torch.randint(0, config.vocab_size, (B, config.block_size), device=device)
+    with torch._dynamo.config.patch(recompile_limit=room):
+        for name, (config, compiled) in configs.items():
+            base_mem = torch.cuda.memory_allocated() if gpu else 0
+            if gpu:
+                torch.cuda.reset_peak_memory_stats()
+            torch.manual_seed(0)
+            model = GPT(config).to(device)
+            opt = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95))
+            step_model = torch.compile(model, backend=backend) if compiled else model
+            x = torch.randint(0, config.vocab_size, (B, config.block_size), device=device)
 
-        def step(step_model=step_model, opt=opt, x=x):
-            with autocast:
-                _, loss = step_model(x, x)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        timeit(step, device, 2)  # warm-up: compilation, optimizer state
-        steps[name] = step
-        mem[name] = (torch.cuda.max_memory_allocated() - base_mem) / 2 ** 30 if gpu else None
+            def step(step_model=step_model, opt=opt, x=x):
+                with autocast:
+                    _, loss = step_model(x, x)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            timeit(step, device, 2)  # warm-up: compilation, optimizer state
+            steps[name] = step
+            mem[name] = (torch.cuda.max_memory_allocated() - base_mem) / 2 ** 30 if gpu else None
     times = {name: [] for name in steps}
     for _ in range(reps):
         for name, step in steps.items():
@@ -301,7 +316,7 @@ def baseline_train(argv):
     """`python bench.py baseline CONFIG [--key=value]`: train.py's run done by nanoGPT's loop on BaselineGPT:
     the same data, batches, LR schedule (the same one-line cosine), AdamW groups, gradient clipping, evals
     (the same fixed batches) and checkpoints at evals. Prints the same 'step N: ... val loss X' lines."""
-    cfg = configure(argv, run_config.DEFAULTS)
+    cfg = configure(argv, run_config.DEFAULTS, run_config.HELP_FROM)
     device, _, autocast = pick_device(cfg["device"], cfg["dtype"])
     paths, vocab_size = run_config.find_data(cfg)
     torch.manual_seed(cfg["seed"])
@@ -499,7 +514,7 @@ def bench_sample(device, dtype, out_dir, tokens, pairs, layers=0, width=128):
 def main(argv=None):
     """Print the tables; returns seconds per step by residual mode (model section) and by
     (residual, mod, mod_rate) (mod section), for the sections that ran."""
-    cfg = configure(sys.argv[1:] if argv is None else argv, DEFAULTS)
+    cfg = configure(sys.argv[1:] if argv is None else argv, DEFAULTS, [(__file__, "DEFAULTS")])
     if cfg["section"] not in SECTIONS:
         raise ConfigError(f"unknown section '{cfg['section']}'; valid: {', '.join(SECTIONS)}")
     device, dtype, _ = pick_device(cfg["device"], cfg["dtype"])  # the same rule as train.py's

@@ -33,8 +33,13 @@ Training = 3 x forward (backward = 2 x forward).
 """
 
 import csv
+import glob
+import math
 import os
 import re
+import shlex
+import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -108,11 +113,16 @@ def train_flops_per_token(config, exec_frac=None):
     return 3 * sum(forward_flops(config, exec_frac).values())
 
 
+PARAMS = {}  # count_params by repr(config): a sweep recounts every run's params after each finished run
+
+
 def count_params(config):
     """(total, non-embedding) parameters, exact: the model is built on the meta device (no memory)."""
-    with torch.device("meta"):
-        model = GPT(config)
-    return model.get_num_params(non_embedding=False), model.get_num_params()
+    if repr(config) not in PARAMS:
+        with torch.device("meta"):
+            model = GPT(config)
+        PARAMS[repr(config)] = model.get_num_params(non_embedding=False), model.get_num_params()
+    return PARAMS[repr(config)]
 
 
 def iterations_for_budget(budget, flops_per_token, tokens_per_iter):
@@ -160,9 +170,15 @@ def mfu(flops_per_token, tokens_per_s, device_name, n_devices=1):
 # -----------------------------------------------------------------------------
 # the breakdown command
 
+BREAKDOWN_DEFAULTS = dict(
+    budget=None,  # training FLOPs: also print the tokens and iterations they buy
+)
+
+
 def train_config(argv, extra=None):
     """train.py's configuration from config files and --key=value (plus `extra` keys of our own)."""
-    return configure(argv, {**run_config.DEFAULTS, **(extra or {})})
+    return configure(argv, {**run_config.DEFAULTS, **(extra or {})},
+                     [*run_config.HELP_FROM, (__file__, "BREAKDOWN_DEFAULTS")])
 
 
 def model_config(cfg):
@@ -175,15 +191,16 @@ def model_config(cfg):
 
 
 def breakdown(argv):
-    cfg = train_config(argv, {"budget": None})
+    cfg = train_config(argv, BREAKDOWN_DEFAULTS)
     config = model_config(cfg)
     parts = forward_flops(config)
     fwd = sum(parts.values())
     tokens_per_iter = cfg["gradient_accumulation_steps"] * cfg["batch_size"] * cfg["block_size"]
     iters = None if cfg["budget"] is None else iterations_for_budget(cfg["budget"], 3 * fwd, tokens_per_iter)
     total, non_embedding = count_params(config)
+    V = config.padded_vocab_size  # model.py pads to a multiple of 64 only where that adds <= 1/64 of rows
     print(f"{config.residual}: {config.n_layer} layers, d={config.n_embd}, T={config.block_size}, "
-          f"V={config.padded_vocab_size} (padded)")
+          f"V={config.vocab_size}" + (f" (padded to {V})" if V != config.vocab_size else ""))
     if config.mod in TOPK_MODS:
         print(f"mod={config.mod} at mod_rate {config.mod_rate:g}: {len(config.mod_routed)} of {config.n_sublayers} "
               f"sublayers run their training capacity k/T = {config.mod_keep:.4g} of the tokens, the others all")
@@ -204,16 +221,16 @@ def breakdown(argv):
 # iso-FLOP sweeps: train.py runs, jobs at a time, each in out_root/sweep_name/<run>
 
 SWEEP_DEFAULTS = dict(
-    sweep_name="sweep",
-    out_root="out",
+    sweep_name="sweep",  # the runs go to out_root/sweep_name/<run>, with results.csv, .md and .png
+    out_root="out",  # see sweep_name
     train_config="config/shakespeare_char_cpu.py",  # every run starts from this train.py config
     train_args=[],  # and these --key=value, then the sweep's own
     budget=1e14,  # training FLOPs per run (train.py --max_flops; a run's own max_flops wins); None: max_iters
-    depths=[2, 4, 8],
+    depths=[2, 4, 8],  # n_layer of the grid's cells
     residuals=["prenorm", "nag", "block_attnres"],  # a dense run per residual and depth
     mod_runs=[],  # extra (residual, mod, mod_rate) runs at every depth, e.g. ("nag", "nag", 0.25)
-    runs=[],  # extra cells, each (name, {train.py key: value}), e.g. ("nag_L16_sqrt_d", {"residual": "nag",
-    #           "n_layer": 16, "nag_head": "sqrt_d"}): ablations and shapes the grid above does not make
+    runs=[],  # extra cells (name, {train.py key: value}): ablations and shapes the grid above does not make,
+    #           e.g. ("nag_L16_sqrt_d", {"residual": "nag", "n_layer": 16, "nag_head": "sqrt_d"})
     seeds=[],  # [] one run per cell with the train config's seed; [1, 2, 3] one run per seed, <cell>_s<seed>
     jobs=1,  # train.py processes at a time (on CPU with OMP_NUM_THREADS=1: one per core)
 )
@@ -295,7 +312,7 @@ def run_row(run, cfg, out_dir, status):
 
 
 def run_sweep(argv):
-    sw = configure(argv, SWEEP_DEFAULTS)
+    sw = configure(argv, SWEEP_DEFAULTS, [(__file__, "SWEEP_DEFAULTS")])
     if sw["budget"] is not None:
         iterations_for_budget(sw["budget"], 1.0, 1)  # a bad budget fails here, not in every run
     if isinstance(sw["jobs"], bool) or not isinstance(sw["jobs"], int) or sw["jobs"] < 1:
@@ -308,54 +325,109 @@ def run_sweep(argv):
     try:
         cfgs = {name: train_config([*base_argv, *override_args(ov)]) for name, _, ov in runs}  # bad keys fail now
         run_config.find_data(next(iter(cfgs.values())))  # prepared once, before jobs could race to do it
-        return _sweep(sw, root, runs, base_argv, cfgs)
+        return _sweep(sw, root, runs, base_argv, cfgs, argv)
     finally:
         os.chdir(cwd)
 
 
-def _sweep(sw, root, runs, base_argv, cfgs):
+def time_left(seconds, left, jobs):
+    """Seconds that `left` runs take, `jobs` at a time, at the mean of the finished runs' `seconds` (the
+    runs of a sweep cost about the same; a resumed one less); None before any run has finished."""
+    return statistics.mean(seconds) * left / min(jobs, max(left, 1)) if seconds else None
+
+
+def print_plan(sw, runs, todo, seconds, cfgs, root):
+    """What the sweep is about to do, before it starts: runs, budget, where results go, how long."""
+    resume = [name for name, _, _ in todo if os.path.exists(os.path.join(root, name, "ckpt.pt"))]
+    shown = os.path.join(sw["out_root"], sw["sweep_name"])  # as the user gave it (we run from the repo)
+    seeds = f" x {len(sw['seeds'])} seeds" if sw["seeds"] else ", one run each"
+    print(f"sweep {sw['sweep_name']}: {len(runs)} runs ({len(sweep_cells(sw))} cells{seeds}), {sw['jobs']} at a "
+          f"time: {len(runs) - len(todo)} finished (skipped), {len(resume)} to resume from a checkpoint, "
+          f"{len(todo) - len(resume)} to start")
+    if sw["budget"] is None:
+        print(f"budget: each run's max_iters ({', '.join(map(str, sorted({c['max_iters'] for c in cfgs.values()})))})")
+    else:
+        print(f"budget: {sw['budget']:.3g} training FLOPs per run (train.py --max_flops)")
+    print(f"results: {os.path.join(shown, 'results')}.{{csv,md,png}} after every run; each run in "
+          f"{os.path.join(shown, '<run>')}/ (its output in stdout.txt)")
+    left = time_left(seconds, len(todo), sw["jobs"])
+    print("estimated time: " + ("unknown until the first run finishes" if left is None else
+          f"{left / 60:.1f} min: {len(todo)} to run at {statistics.mean(seconds):.0f} s each (the mean of the "
+          f"{len(seconds)} finished here), {sw['jobs']} at a time"), flush=True)
+
+
+def _sweep(sw, root, runs, base_argv, cfgs, argv):
     os.makedirs(root, exist_ok=True)
     status = {name: "pending" for name, _, _ in runs}
-    todo = []
+    todo, seconds = [], []  # seconds: of every finished run, for the time estimates
     for i, run in enumerate(runs, 1):
-        if run_result(os.path.join(root, run[0])) is None:
+        row = run_result(os.path.join(root, run[0]))
+        if row is None:
             todo.append(run)
         else:
             status[run[0]] = "done"
+            seconds += [row["seconds"]] if math.isfinite(row["seconds"]) else []
             print(f"[{i}/{len(runs)}] {run[0]}: already finished, skipped", flush=True)
-    t0, spent, finished, running = time.time(), 0.0, 0, {}
-    while todo or running:
-        while todo and len(running) < sw["jobs"]:
-            name, _, overrides = run = todo.pop(0)
-            out_dir = os.path.join(root, name)
-            # a killed run left a checkpoint: continue it rather than start over
-            resume = os.path.exists(os.path.join(out_dir, "ckpt.pt"))
-            budget = [] if sw["budget"] is None else [f"--max_flops={sw['budget']}"]
-            cmd = [sys.executable, TRAIN_SCRIPT, *base_argv, f"--out_dir={out_dir}", *budget,
-                   *override_args(overrides), *(["--init_from=resume"] if resume else [])]
-            os.makedirs(out_dir, exist_ok=True)
-            log = open(os.path.join(out_dir, "stdout.txt"), "a")
-            running[name] = (subprocess.Popen(cmd, cwd=HERE, stdout=log, stderr=subprocess.STDOUT), log, time.time())
-            status[name] = "running"
-        time.sleep(0.2)
-        for name, (proc, log, t) in list(running.items()):
-            if proc.poll() is None:
-                continue
-            log.close()
-            del running[name]
-            dt = time.time() - t
-            spent, finished = spent + dt, finished + 1
-            if proc.returncode == 0:
-                with open(os.path.join(root, name, "done"), "w") as f:  # the marker that makes a rerun skip it
-                    f.write(f"{dt:.1f}\n")
-            status[name] = "done" if proc.returncode == 0 else "failed"
-            rows = write_results(root, runs, cfgs, status, sw["budget"])  # after every run: a kill loses none
-            row = next(r for r in rows if r["run"] == name)
-            loss = f", val {row['val_loss']:.4f}" if row.get("val_loss") is not None else ""
-            left = len(todo) + len(running)  # iso-FLOP: runs cost about the same, so the mean predicts the rest
-            eta = spent / finished * left / min(sw["jobs"], max(left, 1))
-            print(f"[{len(runs) - left}/{len(runs)}] {name}: {status[name]} in {dt:.0f}s{loss} | elapsed "
-                  f"{(time.time() - t0) / 60:.1f} min, ETA {eta / 60:.1f} min", flush=True)
+    print_plan(sw, runs, todo, seconds, cfgs, root)
+    signals = []  # SIGINT / SIGTERM only land here; the loop then stops the runs and waits for them
+    previous = {s: signal.signal(s, lambda signum, frame: signals.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
+    t0, running = time.time(), {}
+
+    def finish(name):
+        """Close a run that exited: its `done` marker (what makes a rerun skip it) and status; seconds."""
+        proc, log, t = running.pop(name)
+        log.close()
+        dt = time.time() - t
+        if proc.returncode == 0:
+            with open(os.path.join(root, name, "done"), "w") as f:
+                f.write(f"{dt:.1f}\n")
+            seconds.append(dt)
+        status[name] = "done" if proc.returncode == 0 else "interrupted" if signals else "failed"
+        return dt
+
+    try:
+        while (todo or running) and not signals:
+            while todo and len(running) < sw["jobs"] and not signals:
+                name, _, overrides = todo.pop(0)
+                out_dir = os.path.join(root, name)
+                # a killed run left a checkpoint: continue it rather than start over
+                resume = os.path.exists(os.path.join(out_dir, "ckpt.pt"))
+                budget = [] if sw["budget"] is None else [f"--max_flops={sw['budget']}"]
+                cmd = [sys.executable, TRAIN_SCRIPT, *base_argv, f"--out_dir={out_dir}", *budget,
+                       *override_args(overrides), *(["--init_from=resume"] if resume else [])]
+                os.makedirs(out_dir, exist_ok=True)
+                log = open(os.path.join(out_dir, "stdout.txt"), "a")
+                running[name] = (subprocess.Popen(cmd, cwd=HERE, stdout=log, stderr=subprocess.STDOUT), log, time.time())
+                status[name] = "running"
+            time.sleep(0.2)
+            for name in [n for n, (proc, _, _) in running.items() if proc.poll() is not None]:
+                dt = finish(name)
+                rows = write_results(root, runs, cfgs, status, sw["budget"])  # after every run: a kill loses none
+                row = next(r for r in rows if r["run"] == name)
+                loss = f", val {row['val_loss']:.4f}" if row.get("val_loss") is not None else ""
+                left = len(todo) + len(running)
+                eta = time_left(seconds, left, sw["jobs"])
+                print(f"[{len(runs) - left}/{len(runs)}] {name}: {status[name]} in {dt:.0f}s{loss} | elapsed "
+                      f"{(time.time() - t0) / 60:.1f} min, ETA " + ("unknown" if eta is None else f"{eta / 60:.1f} min"),
+                      flush=True)
+        if signals:  # pass it on (train.py checkpoints at its next step, exits 128 + signum) and wait: no orphans
+            signame = signal.Signals(signals[0]).name
+            print(f"got {signame}: passing it to the {len(running)} running runs, which checkpoint at their next "
+                  f"step", file=sys.stderr, flush=True)
+            for proc, _, _ in running.values():
+                proc.send_signal(signals[0])
+            for name in list(running):
+                running[name][0].wait()
+                finish(name)
+            if os.path.exists(os.path.join(root, "results.csv")):  # rewritten: interrupted runs, not running
+                write_results(root, runs, cfgs, status, sw["budget"])
+            print(f"stopped by {signame}. Resume with the same command: python flops.py sweep {shlex.join(argv)} "
+                  f"(finished runs are skipped, checkpointed ones resume)", file=sys.stderr, flush=True)
+            raise SystemExit(128 + signals[0])  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     return write_results(root, runs, cfgs, status, sw["budget"])
 
 
@@ -475,6 +547,10 @@ def plot_results(cells, budget, path):
 
 def main(argv):
     if argv[:1] == ["sweep"]:
+        if all(a.startswith("--") for a in argv[1:]) and "--help" not in argv:  # the defaults alone: hours of runs
+            shipped = sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "config", "sweep_*.py")))
+            raise ConfigError(f"flops.py sweep needs a sweep config: python flops.py sweep config/sweep_<name>.py, "
+                              f"one of {', '.join(shipped)}")
         run_sweep(argv[1:])
     else:
         breakdown(argv)

@@ -1,12 +1,17 @@
 """flops.py: the analytic count against torch's FlopCounterMode, MoD scaling, budget arithmetic,
 MFU, train.py's max_flops, and sweeps that resume and survive a failing run (their bookkeeping on a fake
 train.py; one real tiny run through it)."""
+import contextlib
 import csv
 import json
 import os
+import re
+import signal
 import statistics
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -338,6 +343,7 @@ def test_sweep_resumes_and_reports_failures(data_dir, tmp_path, capsys, monkeypa
             "--depths=[0, 1, 2]", f"--budget={budget}", "--mod_runs=[('nag', 'nag', 0.25)]"]
     rows = flops.run_sweep(argv)
     out = capsys.readouterr().out
+    assert f"budget: {budget:.3g} training FLOPs per run (train.py --max_flops)" in out
     statuses = ["failed", "done", "done"] * 2  # prenorm at depths 0, 1, 2, then nag with MoD at each depth
     names = ["prenorm_L0", "prenorm_L1", "prenorm_L2", "nag_L0_nag0.25", "nag_L1_nag0.25", "nag_L2_nag0.25"]
     assert [r["run"] for r in rows] == names and [r["status"] for r in rows] == statuses
@@ -433,11 +439,19 @@ def test_sweep_seeds_named_runs_and_parallel_jobs(data_dir, tmp_path, capsys, mo
 
     monkeypatch.setattr(flops.subprocess, "Popen", Counting)
     rows = flops.run_sweep(argv)
+    out = capsys.readouterr().out
     assert most[0] == 2  # two at a time, never three
+    # the plan comes first, then a progress line with an ETA per finished run
+    root = tmp_path / "s"
+    assert out.startswith(f"sweep s: 4 runs (2 cells x 2 seeds), 2 at a time: 0 finished (skipped), 0 to resume "
+                          f"from a checkpoint, 4 to start\nbudget: each run's max_iters (3)\nresults: "
+                          f"{root / 'results'}.{{csv,md,png}} after every run; each run in {root / '<run>'}/ "
+                          f"(its output in stdout.txt)\nestimated time: unknown until the first run finishes\n")
+    progress = re.findall(r"\[(\d)/4\] \w+: done in \d+s, val [\d.]+ \| elapsed [\d.]+ min, ETA [\d.]+ min\n", out)
+    assert progress == ["1", "2", "3", "4"]
     assert [(r["run"], r["cell"], r["seed"], r["status"]) for r in rows] == [  # seed by seed
         ("prenorm_L1_s1", "prenorm_L1", 1, "done"), ("wide_s1", "wide", 1, "done"),
         ("prenorm_L1_s2", "prenorm_L1", 2, "done"), ("wide_s2", "wide", 2, "done")]
-    root = tmp_path / "s"
     for r in rows:  # each run launched with the train args, its own seed and the cell's overrides; no budget
         (cmd,) = fake_train(root / r["run"])
         wide = ["--n_embd=64"] if r["cell"] == "wide" else []
@@ -455,12 +469,97 @@ def test_sweep_seeds_named_runs_and_parallel_jobs(data_dir, tmp_path, capsys, mo
         assert f"| {statistics.mean(losses):.4f} ± {statistics.stdev(losses):.4f} |" in table.split(f"| {cell} |")[1]
     assert (root / "results.png").stat().st_size > 0
     assert set(plt.get_fignums()) == open_before  # the figure written after each run is closed, not kept alive
-    # a rerun skips every finished run; a bad key or seed list fails before anything runs
+    # a rerun skips the finished runs and resumes a killed one (a checkpoint, no `done` marker); the plan
+    # estimates the time left from the finished runs' seconds: 1 run at their mean, 200 s
+    for r, seconds in zip(rows, ("100.0", "200.0", "300.0")):
+        (root / r["run"] / "done").write_text(seconds)
+    os.remove(root / rows[3]["run"] / "done")
     capsys.readouterr()
     flops.run_sweep(argv)
-    assert capsys.readouterr().out.count("already finished, skipped") == 4
+    out = capsys.readouterr().out
+    assert out.count("already finished, skipped") == 3
+    assert "4 runs (2 cells x 2 seeds), 2 at a time: 3 finished (skipped), 1 to resume from a checkpoint, 0 to start" in out
+    assert "estimated time: 3.3 min: 1 to run at 200 s each (the mean of the 3 finished here), 2 at a time" in out
+    # a bad key or seed list fails before anything runs
     for bad, match in (("--runs=[('x', {'n_layr': 2})]", "unknown config key 'n_layr'"),
                        ("--seeds=[1, 1]", "distinct integers"), ("--jobs=0", "positive integer")):
         with pytest.raises(ConfigError, match=match):
             flops.run_sweep([*argv[:2], "--sweep_name=bad", bad])
     assert not (tmp_path / "bad").exists()
+
+
+def test_sweep_needs_a_sweep_config(monkeypatch):
+    """`flops.py sweep` with no config file used to start the default sweep (hours of runs): now a
+    one-line error that lists the shipped sweep configs, and nothing runs."""
+    started = []
+    monkeypatch.setattr(flops, "run_sweep", started.append)
+    for argv in (["sweep"], ["sweep", "--jobs=2"]):
+        with pytest.raises(ConfigError, match="needs a sweep config") as e:
+            flops.main(argv)
+        assert "\n" not in str(e.value)
+        assert all(f"config/{p.name}" in str(e.value) for p in (REPO / "config").glob("sweep_*.py"))
+    assert started == []
+
+
+# a stand-in for train.py that waits to be stopped: writes its pid, then on SIGINT / SIGTERM takes half a
+# second (its checkpoint), writes the signal's name and exits 128 + signum, as train.py does
+SLEEPY_TRAIN = r"""import os, signal, sys, time
+out_dir = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--out_dir="))
+def stop(signum, frame):
+    time.sleep(0.5)
+    open(os.path.join(out_dir, "signal.txt"), "w").write(signal.Signals(signum).name)
+    sys.exit(128 + signum)
+signal.signal(signal.SIGINT, stop)
+signal.signal(signal.SIGTERM, stop)
+open(os.path.join(out_dir, "pid"), "w").write(str(os.getpid()))
+time.sleep(60)
+"""
+
+
+def test_sigterm_to_a_sweep_stops_its_runs(data_dir, tmp_path, capsys, monkeypatch):
+    """SIGTERM to a sweep goes on to both running train.py processes, which checkpoint and exit; the sweep
+    waits for them (none is left running when it exits), says how to resume and exits 143. In this
+    process (no second torch import): a thread sends the signal once both runs have started."""
+    script, config = tmp_path / "sleepy_train.py", tmp_path / "sweep_test.py"
+    script.write_text(SLEEPY_TRAIN)
+    monkeypatch.setattr(flops, "TRAIN_SCRIPT", str(script))
+    config.write_text(f"sweep_name = 's'\nout_root = {str(tmp_path)!r}\n"
+                      f"train_config = {str(tiny_train_config(data_dir, tmp_path))!r}\n"
+                      "residuals = ['prenorm']\ndepths = [1, 2]\nbudget = None\njobs = 2\n")
+    pid_files = [tmp_path / "s" / run / "pid" for run in ("prenorm_L1", "prenorm_L2")]
+
+    def sigterm_once_started():
+        for _ in range(300):
+            if all(p.exists() and p.read_text() for p in pid_files):
+                return os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)
+
+    def uncaught(signum, frame):  # a sweep that leaves SIGTERM alone would otherwise end pytest
+        raise RuntimeError("the sweep did not handle SIGTERM")
+    previous = signal.signal(signal.SIGTERM, uncaught)
+    threading.Thread(target=sigterm_once_started, daemon=True).start()
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            flops.main(["sweep", str(config)])
+        assert stopped.value.code == 128 + signal.SIGTERM
+        for p in pid_files:
+            assert (p.parent / "signal.txt").read_text() == "SIGTERM"  # each run got it
+            with pytest.raises(ProcessLookupError):  # and is gone, not an orphan still training
+                os.kill(int(p.read_text()), 0)
+        assert f"Resume with the same command: python flops.py sweep {config}" in capsys.readouterr().err
+        assert signal.getsignal(signal.SIGTERM) is uncaught  # the sweep put back the handler it found
+    finally:  # whatever failed above, leave no process of this test behind
+        signal.signal(signal.SIGTERM, previous)
+        for p in pid_files:
+            with contextlib.suppress(ProcessLookupError, FileNotFoundError, ValueError):
+                os.kill(int(p.read_text()), signal.SIGKILL)
+
+
+def test_breakdown_names_the_padded_vocab_only_when_padded(data_dir, tmp_path, capsys):
+    """The 65-character vocab is not padded (padding to 128 would double the head); gpt2's 50257 is, to
+    50304 (model.py's rule): the breakdown prints the padded size only then."""
+    quickstart = str(REPO / "config" / "shakespeare_char_cpu.py")
+    flops.main([quickstart, f"--data_dir={data_dir}"])
+    assert "T=64, V=65\n" in capsys.readouterr().out
+    flops.main([quickstart, f"--data_dir={tmp_path}"])  # no meta.pkl: gpt2's vocab
+    assert "T=64, V=50257 (padded to 50304)\n" in capsys.readouterr().out

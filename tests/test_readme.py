@@ -1,0 +1,126 @@
+"""The README's commands as a newcomer runs them, line by line from its ```bash blocks: every training
+command writes its own out_dir (a second one there would clobber the first's checkpoint and log), every
+out_dir that a later command reads is one a README command creates, and the first two commands are the
+quickstart and the tests, each after the install."""
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import flops  # noqa: E402
+import run_config  # noqa: E402
+from configurator import configure  # noqa: E402
+
+INSTALL = ["pip", "install", "-r", "requirements.txt"]
+
+
+def braces(word):
+    """bash's {a,b} expansion (one group): out/{x,y}_s1 -> out/x_s1, out/y_s1."""
+    m = re.match(r"(.*?)\{([^{}]*,[^{}]*)\}(.*)", word)
+    return [m[1] + part + m[3] for part in m[2].split(",")] if m else [word]
+
+
+def readme_lines():
+    """Each command line of the README's ```bash blocks, as its commands (split at &&), each a list of
+    words: continuation lines joined, comments dropped, a block's variables (c="...", then $c) and {a,b}
+    expanded, a leading VAR=value (the environment, e.g. OMP_NUM_THREADS=1) dropped."""
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S):
+        variables = {}
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"\$(\w+)", lambda m: variables[m[1]], line)  # unquoted: bash splits it into words
+            words = [w for word in shlex.split(line, comments=True) for w in braces(word)]
+            if words and all(re.match(r"\w+=", w) for w in words):  # c="..." sets a variable, runs nothing
+                variables.update(w.split("=", 1) for w in words)
+            elif words:
+                commands = [[]]
+                for w in words:
+                    if w == "&&":
+                        commands.append([])
+                    elif commands[-1] or not re.match(r"\w+=", w):  # a leading VAR=value: the environment
+                        commands[-1].append(w)
+                lines.append(commands)
+    return lines
+
+
+def script(cmd):
+    """(script, its arguments) of `python x.py ...` or `torchrun ... x.py ...`; (None, cmd) otherwise."""
+    if cmd[:1] == ["python"] and cmd[1:2] and cmd[1].endswith(".py"):
+        return cmd[1], cmd[2:]
+    if cmd[:1] == ["torchrun"]:
+        i = next(i for i, w in enumerate(cmd) if w.endswith(".py"))
+        return cmd[i], cmd[i + 1:]
+    return None, cmd
+
+
+def settings(args, defaults):
+    """What the script reads from its command line (the configurator's rules; config files from the repo)."""
+    return configure([a if a.startswith("--") else str(REPO / a) for a in args], defaults)
+
+
+def writes(cmd):
+    """(out_dir, settings) of a training command: train.py's out_dir (a config file may set it), a sweep's
+    folder out_root/sweep_name (its runs live in it); None for any other command."""
+    name, args = script(cmd)
+    if name == "train.py":
+        cfg = settings(args, run_config.DEFAULTS)
+        return os.path.normpath(cfg["out_dir"]), cfg
+    if name == "flops.py" and args[:1] == ["sweep"]:
+        sw = settings(args[1:], flops.SWEEP_DEFAULTS)
+        sw.pop("jobs")  # how many at a time: the same sweep
+        return os.path.normpath(os.path.join(sw["out_root"], sw["sweep_name"])), sw
+    return None
+
+
+def reads(cmd):
+    """The out_dirs a command reads: the runs plot.py is given, and the --out_dir of sample.py,
+    tradeoff.py and bench.py (bench.py's default "": a random model)."""
+    name, args = script(cmd)
+    if name == "plot.py":
+        return [os.path.normpath(a) for a in args[1:] if not a.startswith("--")]
+    if name in ("sample.py", "tradeoff.py", "bench.py"):
+        module = __import__(name[:-3])
+        out_dir = configure(args, module.DEFAULTS)["out_dir"]
+        return [os.path.normpath(out_dir)] if out_dir else []
+    return []
+
+
+def test_the_first_commands_install_then_run_the_quickstart_and_the_tests():
+    first, second = readme_lines()[:2]
+    assert first[0] == INSTALL and script(first[1]) == ("train.py", ["config/shakespeare_char_cpu.py"])
+    assert script(first[2])[0] == "sample.py" and reads(first[2]) == [writes(first[1])[0]]  # the run just trained
+    assert second == [INSTALL, ["python", "-m", "pytest", "-q"]]
+
+
+def test_training_commands_write_their_own_out_dirs():
+    """Two training commands share an out_dir (or a sweep's folder) only when one resumes the other or
+    they are the same run (a sweep run again skips what it finished)."""
+    writers = [w for line in readme_lines() for cmd in line if (w := writes(cmd))]
+    assert len(writers) > 10
+    for i, (path, cfg) in enumerate(writers):
+        for other, other_cfg in writers[:i]:
+            if path == other or path.startswith(other + os.sep) or other.startswith(path + os.sep):
+                assert "resume" in (cfg.get("init_from"), other_cfg.get("init_from")) or cfg == other_cfg, (
+                    f"two README commands train into {path}: give one its own --out_dir")
+
+
+def test_every_out_dir_read_is_created_by_a_readme_command():
+    """sample.py, tradeoff.py, bench.py and plot.py read runs that a README command trains: a train.py
+    out_dir, or a run of a sweep (out_root/sweep_name/<cell>_s<seed>; a glob: the sweep's folder)."""
+    commands = [cmd for line in readme_lines() for cmd in line]
+    created, sweeps = set(), set()
+    for cmd in commands:
+        if writes(cmd) and script(cmd)[0] == "train.py":
+            created.add(writes(cmd)[0])
+        elif writes(cmd):
+            root, sw = writes(cmd)
+            sweeps.add(root)
+            created |= {os.path.join(root, name) for name, _, _ in flops.sweep_runs(sw)}
+    read = [(path, " ".join(cmd)) for cmd in commands for path in reads(cmd)]
+    assert len(read) > 10
+    for path, cmd in read:
+        assert path in created or ("*" in path and os.path.dirname(path) in sweeps), (
+            f"`{cmd}` reads {path}, which no README command creates")
