@@ -233,6 +233,7 @@ SWEEP_DEFAULTS = dict(
     #           e.g. ("nag_L16_sqrt_d", {"residual": "nag", "n_layer": 16, "nag_head": "sqrt_d"})
     seeds=[],  # [] one run per cell with the train config's seed; [1, 2, 3] one run per seed, <cell>_s<seed>
     jobs=1,  # train.py processes at a time (on CPU with OMP_NUM_THREADS=1: one per core)
+    baseline=None,  # results.md tests every cell against this cell (Welch); None: the first cell of its depth
 )
 FIELDS = ["run", "cell", "seed", "residual", "n_layer", "mod", "mod_rate", "args", "status", "iters", "tokens",
           "flops", "params", "train_flops_per_token", "exec_train", "exec_eval", "eval_flops_per_token", "val_loss",
@@ -317,6 +318,7 @@ def run_sweep(argv):
         iterations_for_budget(sw["budget"], 1.0, 1)  # a bad budget fails here, not in every run
     if isinstance(sw["jobs"], bool) or not isinstance(sw["jobs"], int) or sw["jobs"] < 1:
         raise ConfigError(f"jobs must be a positive integer (train.py processes at a time), got {sw['jobs']!r}")
+    check_baseline(sw["baseline"], [name for name, _ in sweep_cells(sw)])
     root = os.path.abspath(os.path.join(sw["out_root"], sw["sweep_name"]))
     runs = sweep_runs(sw)
     base_argv = [os.path.abspath(sw["train_config"]), *sw["train_args"]]
@@ -403,7 +405,7 @@ def _sweep(sw, root, runs, base_argv, cfgs, argv):
             time.sleep(0.2)
             for name in [n for n, (proc, _, _) in running.items() if proc.poll() is not None]:
                 dt = finish(name)
-                rows = write_results(root, runs, cfgs, status, sw["budget"])  # after every run: a kill loses none
+                rows = write_results(root, runs, cfgs, status, sw["budget"], sw["baseline"])  # after every run: a kill loses none
                 row = next(r for r in rows if r["run"] == name)
                 loss = f", val {row['val_loss']:.4f}" if row.get("val_loss") is not None else ""
                 left = len(todo) + len(running)
@@ -421,14 +423,14 @@ def _sweep(sw, root, runs, base_argv, cfgs, argv):
                 running[name][0].wait()
                 finish(name)
             if os.path.exists(os.path.join(root, "results.csv")):  # rewritten: interrupted runs, not running
-                write_results(root, runs, cfgs, status, sw["budget"])
+                write_results(root, runs, cfgs, status, sw["budget"], sw["baseline"])
             print(f"stopped by {signame}. Resume with the same command: python flops.py sweep {shlex.join(argv)} "
                   f"(finished runs are skipped, checkpointed ones resume)", file=sys.stderr, flush=True)
             raise SystemExit(128 + signals[0])  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    return write_results(root, runs, cfgs, status, sw["budget"])
+    return write_results(root, runs, cfgs, status, sw["budget"], sw["baseline"])
 
 
 def aggregate(rows):
@@ -450,8 +452,35 @@ def aggregate(rows):
     return out
 
 
-def write_results(root, runs, cfgs, status, budget):
-    """results.csv (a row per run), results.md (mean ± std per cell, then every run) and results.png."""
+def check_baseline(baseline, cells):
+    if baseline is not None and baseline not in cells:
+        raise ConfigError(f"baseline={baseline!r} is not a cell of this sweep; its cells: {', '.join(cells)}")
+
+
+def baselines(cells, baseline=None):
+    """{cell: the cell it is tested against}: `baseline`, else the first cell of the same depth."""
+    first = {}
+    for c in cells:
+        first.setdefault(c["n_layer"], c["cell"])
+    return {c["cell"]: baseline or first[c["n_layer"]] for c in cells}
+
+
+def significance_lines(cells, baseline=None):
+    """Markdown: each cell's final val loss against its baseline cell (run_config.significance_cells)."""
+    losses = {c["cell"]: c["losses"] for c in cells}
+    lines = ["", "Final val loss against a baseline cell (the sweep's `baseline`, else the first cell of the same "
+             "depth): difference of means, its 95% CI, Welch's t-test (* p < 0.05), and the seeds per cell that "
+             "would make the observed difference significant at 80% power:", "",
+             "| cell | baseline | " + " | ".join(run_config.SIGNIFICANCE_HEADER) + " |", "|" + "---|" * 6]
+    for cell, base in baselines(cells, baseline).items():
+        if cell != base:
+            lines.append(f"| {cell} | {base} | " + " | ".join(run_config.significance_cells(losses[cell], losses[base]))
+                         + " |")
+    return lines
+
+
+def write_results(root, runs, cfgs, status, budget, baseline=None):
+    """results.csv (a row per run), results.md (results_markdown) and results.png."""
     rows = [run_row(run, cfgs[run[0]], os.path.join(root, run[0]), status[run[0]]) for run in runs]
     with open(os.path.join(root, "results.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, FIELDS)
@@ -459,10 +488,19 @@ def write_results(root, runs, cfgs, status, budget):
         for r in rows:
             w.writerow({k: r.get(k, "") for k in FIELDS})
     cells = aggregate(rows)
+    with open(os.path.join(root, "results.md"), "w") as f:
+        what = "each run at its max_iters" if budget is None else f"iso-FLOP sweep at {budget:.3g} training FLOPs per run"
+        f.write(results_markdown(rows, cells, what, baseline))
+    if any(c["n"] for c in cells):
+        plot_results(cells, budget, os.path.join(root, "results.png"))
+    return rows
+
+
+def results_markdown(rows, cells, what, baseline=None):
+    """Mean ± std per cell, each cell against its baseline, then every run; `what` opens it."""
     fmt = lambda v, spec: "-" if v in (None, "") else format(v, spec)  # noqa: E731
     pm = lambda c, k: fmt(c[k], ".4f") + ("" if c[k + "_std"] is None else f" ± {c[k + '_std']:.4f}")  # noqa: E731
     seeds = sorted({r["seed"] for r in rows})
-    what = "each run at its max_iters" if budget is None else f"iso-FLOP sweep at {budget:.3g} training FLOPs per run"
     lines = [f"{what}; seeds {', '.join(map(str, seeds))}. "
              "Per cell: mean ± sample std (n - 1) over its finished runs; executed = the mean fraction of "
              "tokens a sublayer ran (eval: the last eval's routing).", "",
@@ -476,17 +514,44 @@ def write_results(root, runs, cfgs, status, budget):
                      f"| {fmt(c['eval_flops_per_token'], '.4g')} "
                      f"| {fmt(c['exec_train'], '.3f')} / {fmt(c['exec_eval'], '.3f')} "
                      f"| {pm(c, 'val_loss')} | {pm(c, 'best_val_loss')} | {fmt(c['seconds'], '.0f')} |")
+    lines += significance_lines(cells, baseline)
     lines += ["", "Every run:", "", "| run | seed | status | iters | final val loss | best val loss | s |",
               "|" + "---|" * 7]
     for r in rows:
         lines.append(f"| {r['run']} | {r['seed']} | {r['status']} | {fmt(r.get('iters'), ',')} "
                      f"| {fmt(r.get('val_loss'), '.4f')} | {fmt(r.get('best_val_loss'), '.4f')} "
                      f"| {fmt(r.get('seconds'), '.0f')} |")
-    with open(os.path.join(root, "results.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    if any(c["n"] for c in cells):
-        plot_results(cells, budget, os.path.join(root, "results.png"))
-    return rows
+    return "\n".join(lines) + "\n"
+
+
+RESULTS_DEFAULTS = dict(
+    baseline=None,  # the cell every other cell is tested against; None: the first cell of its depth
+)
+
+
+def read_results(path):
+    """The rows of a sweep's results.csv (or a copy of it, as in docs/), typed as write_results made them."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"no results file {path}: pass a sweep's results.csv (e.g. docs/sweep_mod_cpu.csv)")
+    ints, text = {"seed", "n_layer", "iters", "tokens", "params"}, {"run", "cell", "residual", "mod", "args", "status"}
+    with open(path, newline="") as f:
+        return [{k: (v if k in text else None if v == "" else int(v) if k in ints else float(v))
+                 for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+def results(argv):
+    """python flops.py results out/<sweep>/results.csv [--baseline=CELL]: results.md's tables, from the CSV
+    alone (the run folders are not needed), printed."""
+    files = [a for a in argv if not a.startswith("-")]
+    cfg = configure([a for a in argv if a.startswith("-")], RESULTS_DEFAULTS, [(__file__, "RESULTS_DEFAULTS")])
+    if len(files) != 1:
+        raise ConfigError("flops.py results takes one results.csv, e.g. python flops.py results docs/sweep_mod_cpu.csv")
+    rows = read_results(files[0])
+    cells = aggregate(rows)
+    check_baseline(cfg["baseline"], [c["cell"] for c in cells])
+    text = results_markdown(rows, cells, f"{files[0]}", cfg["baseline"])
+    print(text, end="")
+    return text
 
 
 def plot_results(cells, budget, path):
@@ -511,7 +576,8 @@ def plot_results(cells, budget, path):
                 ax.plot(c["losses"], [yi] * len(c["losses"]), ".", color="gray", alpha=0.6)
             ax.set_yticks(list(y), [c["cell"] for c in done], fontsize=8)
             ax.set_xlabel("final val loss")
-            ax.set_title(f"each cell{'' if budget is None else f' at {budget:.3g} FLOPs'} (dots: seeds)", fontsize=10)
+            ax.set_title(f"each cell{'' if budget is None else f' at {budget:.3g} FLOPs'} "
+                         "(error bars: sample std; dots: seeds)", fontsize=10)
             continue
         if panel == "depth":  # a line per residual (and args), the dense cells and each mod setting
             groups = {}
@@ -546,14 +612,15 @@ def plot_results(cells, budget, path):
 
 
 def main(argv):
+    if argv[:1] == ["results"]:
+        return results(argv[1:])
     if argv[:1] == ["sweep"]:
         if all(a.startswith("--") for a in argv[1:]) and "--help" not in argv:  # the defaults alone: hours of runs
             shipped = sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "config", "sweep_*.py")))
             raise ConfigError(f"flops.py sweep needs a sweep config: python flops.py sweep config/sweep_<name>.py, "
                               f"one of {', '.join(shipped)}")
-        run_sweep(argv[1:])
-    else:
-        breakdown(argv)
+        return run_sweep(argv[1:])
+    return breakdown(argv)
 
 
 if __name__ == "__main__":

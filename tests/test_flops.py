@@ -467,6 +467,10 @@ def test_sweep_seeds_named_runs_and_parallel_jobs(data_dir, tmp_path, capsys, mo
     for cell, pair in (("prenorm_L1", rows[0::2]), ("wide", rows[1::2])):  # mean ± sample std over the two seeds
         losses = [r["val_loss"] for r in pair]
         assert f"| {statistics.mean(losses):.4f} ± {statistics.stdev(losses):.4f} |" in table.split(f"| {cell} |")[1]
+    # each cell against the first cell of its depth (both are 1 layer): Welch's test of their losses
+    wide, base = ([r["val_loss"] for r in rows[i::2]] for i in (1, 0))
+    assert f"| wide | prenorm_L1 | {' | '.join(run_config.significance_cells(wide, base))} |" in table
+    assert "| prenorm_L1 | prenorm_L1 |" not in table  # a baseline is not tested against itself
     assert (root / "results.png").stat().st_size > 0
     assert set(plt.get_fignums()) == open_before  # the figure written after each run is closed, not kept alive
     # a rerun skips the finished runs and resumes a killed one (a checkpoint, no `done` marker); the plan
@@ -482,10 +486,46 @@ def test_sweep_seeds_named_runs_and_parallel_jobs(data_dir, tmp_path, capsys, mo
     assert "estimated time: 3.3 min: 1 to run at 200 s each (the mean of the 3 finished here), 2 at a time" in out
     # a bad key or seed list fails before anything runs
     for bad, match in (("--runs=[('x', {'n_layr': 2})]", "unknown config key 'n_layr'"),
-                       ("--seeds=[1, 1]", "distinct integers"), ("--jobs=0", "positive integer")):
+                       ("--seeds=[1, 1]", "distinct integers"), ("--jobs=0", "positive integer"),
+                       ("--baseline='wid'", "baseline='wid' is not a cell of this sweep")):
         with pytest.raises(ConfigError, match=match):
             flops.run_sweep([*argv[:2], "--sweep_name=bad", bad])
     assert not (tmp_path / "bad").exists()
+
+
+def test_results_from_a_csv_test_each_cell_against_its_baseline(tmp_path, capsys):
+    """flops.py results FILE.csv: results.md's tables from a results.csv alone (docs/ keeps those), each
+    cell against the first cell of its depth or --baseline; the numbers are run_config.welch's
+    (tests/test_stats.py), so a cell paired with the wrong baseline, or wrong losses, fails."""
+    losses = {"a_L2": [1.90, 1.92, 1.91], "b_L2": [1.80, 1.81, 1.83], "c_L4": [1.70, 1.78, 1.72],
+              "d_L4": [1.69, 1.73, 1.70]}
+    path = tmp_path / "results.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, flops.FIELDS)
+        w.writeheader()
+        for cell, vals in losses.items():
+            for seed, v in enumerate(vals, 1):
+                w.writerow({"run": f"{cell}_s{seed}", "cell": cell, "seed": seed, "residual": "nag",
+                            "n_layer": int(cell[-1]), "mod": "", "mod_rate": 0.0, "args": "", "status": "done",
+                            "iters": 100, "val_loss": v, "best_val_loss": v - 0.01, "seconds": 10.0})
+
+    def rows(*options):
+        text = flops.main(["results", str(path), *options]) or capsys.readouterr().out
+        return {r[0]: r[1:] for r in ([c.strip() for c in line.split("|")[1:-1]] for line in
+                                      text.split("against a baseline cell")[1].split("Every run")[0].splitlines())
+                if r and r[0] in losses}
+    got = rows()
+    assert set(got) == {"b_L2", "d_L4"}  # a and c are the baselines of their depths
+    assert got["b_L2"] == ["a_L2", *run_config.significance_cells(losses["b_L2"], losses["a_L2"])]
+    assert got["d_L4"] == ["c_L4", *run_config.significance_cells(losses["d_L4"], losses["c_L4"])]
+    assert got["b_L2"][3].endswith("*") and not got["d_L4"][3].endswith("*")
+    got = rows("--baseline=b_L2")
+    assert set(got) == {"a_L2", "c_L4", "d_L4"}
+    assert got["d_L4"] == ["b_L2", *run_config.significance_cells(losses["d_L4"], losses["b_L2"])]
+    with pytest.raises(ConfigError, match="baseline='e' is not a cell"):
+        flops.main(["results", str(path), "--baseline=e"])
+    with pytest.raises(ConfigError, match="no results file"):
+        flops.main(["results", str(tmp_path / "missing.csv")])
 
 
 def test_sweep_needs_a_sweep_config(monkeypatch):
