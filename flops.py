@@ -226,6 +226,7 @@ SWEEP_DEFAULTS = dict(
     train_config="config/shakespeare_char_cpu.py",  # every run starts from this train.py config
     train_args=[],  # and these --key=value, then the sweep's own
     budget=1e14,  # training FLOPs per run (train.py --max_flops; a run's own max_flops wins); None: max_iters
+    budget_seconds=None,  # instead: seconds of training per run (train.py --max_seconds); set with budget: an error
     depths=[2, 4, 8],  # n_layer of the grid's cells
     residuals=["prenorm", "nag", "block_attnres"],  # a dense run per residual and depth
     mod_runs=[],  # extra (residual, mod, mod_rate) runs at every depth, e.g. ("nag", "nag", 0.25)
@@ -314,6 +315,13 @@ def run_row(run, cfg, out_dir, status):
 
 def run_sweep(argv):
     sw = configure(argv, SWEEP_DEFAULTS, [(__file__, "SWEEP_DEFAULTS")])
+    if sw["budget_seconds"] is not None:  # an equal-time sweep: budget's default (FLOPs) gives way, a set one clashes
+        if isinstance(sw["budget_seconds"], bool) or not isinstance(sw["budget_seconds"], (int, float)) \
+                or not sw["budget_seconds"] > 0:
+            raise ConfigError(f"budget_seconds must be a number of seconds > 0, got {sw['budget_seconds']!r}")
+        if configure(argv, dict.fromkeys(SWEEP_DEFAULTS))["budget"] is not None:
+            raise ConfigError("budget (FLOPs) and budget_seconds (time) are two kinds of sweep: set one of them")
+        sw["budget"] = None
     if sw["budget"] is not None:
         iterations_for_budget(sw["budget"], 1.0, 1)  # a bad budget fails here, not in every run
     if isinstance(sw["jobs"], bool) or not isinstance(sw["jobs"], int) or sw["jobs"] < 1:
@@ -346,7 +354,9 @@ def print_plan(sw, runs, todo, seconds, cfgs, root):
     print(f"sweep {sw['sweep_name']}: {len(runs)} runs ({len(sweep_cells(sw))} cells{seeds}), {sw['jobs']} at a "
           f"time: {len(runs) - len(todo)} finished (skipped), {len(resume)} to resume from a checkpoint, "
           f"{len(todo) - len(resume)} to start")
-    if sw["budget"] is None:
+    if sw["budget_seconds"] is not None:
+        print(f"budget: {sw['budget_seconds']:g} seconds of training per run (train.py --max_seconds)")
+    elif sw["budget"] is None:
         print(f"budget: each run's max_iters ({', '.join(map(str, sorted({c['max_iters'] for c in cfgs.values()})))})")
     else:
         print(f"budget: {sw['budget']:.3g} training FLOPs per run (train.py --max_flops)")
@@ -395,7 +405,8 @@ def _sweep(sw, root, runs, base_argv, cfgs, argv):
                 out_dir = os.path.join(root, name)
                 # a killed run left a checkpoint: continue it rather than start over
                 resume = os.path.exists(os.path.join(out_dir, "ckpt.pt"))
-                budget = [] if sw["budget"] is None else [f"--max_flops={sw['budget']}"]
+                budget = ([f"--max_seconds={sw['budget_seconds']}"] if sw["budget_seconds"] is not None else
+                          [] if sw["budget"] is None else [f"--max_flops={sw['budget']}"])
                 cmd = [sys.executable, TRAIN_SCRIPT, *base_argv, f"--out_dir={out_dir}", *budget,
                        *override_args(overrides), *(["--init_from=resume"] if resume else [])]
                 os.makedirs(out_dir, exist_ok=True)
@@ -405,7 +416,8 @@ def _sweep(sw, root, runs, base_argv, cfgs, argv):
             time.sleep(0.2)
             for name in [n for n, (proc, _, _) in running.items() if proc.poll() is not None]:
                 dt = finish(name)
-                rows = write_results(root, runs, cfgs, status, sw["budget"], sw["baseline"])  # after every run: a kill loses none
+                # after every run: a kill loses none
+                rows = write_results(root, runs, cfgs, status, sw["budget"], sw["baseline"], sw["budget_seconds"])
                 row = next(r for r in rows if r["run"] == name)
                 loss = f", val {row['val_loss']:.4f}" if row.get("val_loss") is not None else ""
                 left = len(todo) + len(running)
@@ -423,14 +435,14 @@ def _sweep(sw, root, runs, base_argv, cfgs, argv):
                 running[name][0].wait()
                 finish(name)
             if os.path.exists(os.path.join(root, "results.csv")):  # rewritten: interrupted runs, not running
-                write_results(root, runs, cfgs, status, sw["budget"], sw["baseline"])
+                write_results(root, runs, cfgs, status, sw["budget"], sw["baseline"], sw["budget_seconds"])
             print(f"stopped by {signame}. Resume with the same command: python flops.py sweep {shlex.join(argv)} "
                   f"(finished runs are skipped, checkpointed ones resume)", file=sys.stderr, flush=True)
             raise SystemExit(128 + signals[0])  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    return write_results(root, runs, cfgs, status, sw["budget"], sw["baseline"])
+    return write_results(root, runs, cfgs, status, sw["budget"], sw["baseline"], sw["budget_seconds"])
 
 
 def aggregate(rows):
@@ -445,7 +457,7 @@ def aggregate(rows):
                if k in rs[0]}
         agg.update(n=len(done), runs=len(rs), losses=[r["val_loss"] for r in done])
         for k in ("val_loss", "best_val_loss", "iters", "train_flops_per_token", "eval_flops_per_token",
-                  "exec_train", "exec_eval", "seconds"):
+                  "exec_train", "exec_eval", "seconds", "flops"):
             vals = [r[k] for r in done if r.get(k) is not None]
             agg[k], agg[k + "_std"] = run_config.mean_std(vals) if vals else (None, None)
         out.append(agg)
@@ -479,7 +491,7 @@ def significance_lines(cells, baseline=None):
     return lines
 
 
-def write_results(root, runs, cfgs, status, budget, baseline=None):
+def write_results(root, runs, cfgs, status, budget, baseline=None, budget_seconds=None):
     """results.csv (a row per run), results.md (results_markdown) and results.png."""
     rows = [run_row(run, cfgs[run[0]], os.path.join(root, run[0]), status[run[0]]) for run in runs]
     with open(os.path.join(root, "results.csv"), "w", newline="") as f:
@@ -489,7 +501,9 @@ def write_results(root, runs, cfgs, status, budget, baseline=None):
             w.writerow({k: r.get(k, "") for k in FIELDS})
     cells = aggregate(rows)
     with open(os.path.join(root, "results.md"), "w") as f:
-        what = "each run at its max_iters" if budget is None else f"iso-FLOP sweep at {budget:.3g} training FLOPs per run"
+        what = ("each run at its max_iters" if budget is None and budget_seconds is None else
+                f"iso-FLOP sweep at {budget:.3g} training FLOPs per run" if budget_seconds is None else
+                f"equal-time sweep at {budget_seconds:g} seconds of training per run (train FLOPs: what each spent)")
         f.write(results_markdown(rows, cells, what, baseline))
     if any(c["n"] for c in cells):
         plot_results(cells, budget, os.path.join(root, "results.png"))
@@ -506,14 +520,15 @@ def results_markdown(rows, cells, what, baseline=None):
              "tokens a sublayer ran (eval: the last eval's routing).", "",
              "| cell | residual | layers | mod | mod_rate | args | runs done | iters | non-emb params "
              "| train FLOPs/token | eval fwd FLOPs/token | executed (train / eval) | final val loss | best val loss "
-             "| s per run |", "|" + "---|" * 15]
+             "| s per run | train FLOPs per run |", "|" + "---|" * 16]
     for c in cells:
         lines.append(f"| {c['cell']} | {c['residual']} | {c['n_layer']} | {c['mod'] or '-'} | {c['mod_rate']:g} "
                      f"| {c['args'] or '-'} | {c['n']}/{c['runs']} | {fmt(c['iters'], ',.0f')} "
                      f"| {fmt(c.get('params'), ',')} | {fmt(c['train_flops_per_token'], '.4g')} "
                      f"| {fmt(c['eval_flops_per_token'], '.4g')} "
                      f"| {fmt(c['exec_train'], '.3f')} / {fmt(c['exec_eval'], '.3f')} "
-                     f"| {pm(c, 'val_loss')} | {pm(c, 'best_val_loss')} | {fmt(c['seconds'], '.0f')} |")
+                     f"| {pm(c, 'val_loss')} | {pm(c, 'best_val_loss')} | {fmt(c['seconds'], '.0f')} "
+                     f"| {fmt(c['flops'], '.3g')} |")
     lines += significance_lines(cells, baseline)
     lines += ["", "Every run:", "", "| run | seed | status | iters | final val loss | best val loss | s |",
               "|" + "---|" * 7]

@@ -47,6 +47,7 @@ DEFAULTS = dict(
     learning_rate=6e-4,  # the peak LR, after warm-up
     max_iters=600000,  # training iterations (optimizer steps)
     max_flops=None,  # a training FLOP budget (flops.py's count); when set it decides max_iters
+    max_seconds=None,  # a training time budget (evals and the first step not counted); overrides max_iters
     weight_decay=1e-1,  # AdamW's, on the matrices (not on norms, gains and biases)
     beta1=0.9,  # AdamW's first-moment decay
     beta2=0.95,  # AdamW's second-moment decay

@@ -38,7 +38,7 @@ from run_config import (DEFAULTS, EVAL_SEED, HELP_FROM, MODEL_KEYS, RUN_KEYS, fi
 
 WARMUP_CAP = 0.1  # with max_flops, warmup_iters is at most this fraction of the budget's iterations (rounded up)
 POSITIVE_KEYS = ("batch_size", "gradient_accumulation_steps", "eval_interval", "log_interval", "eval_iters")
-BUDGET_KEYS = ("max_flops", "max_iters", "lr_decay_iters", "warmup_iters")  # the run's length: resume keeps them
+BUDGET_KEYS = ("max_flops", "max_seconds", "max_iters", "lr_decay_iters", "warmup_iters")  # the run's length: resume keeps them
 WANDB_NAMES = {"train_loss": "train/loss", "val_loss": "val/loss"}  # log.jsonl's names that wandb gets as nanoGPT's
 GRAD_CHECK_STEPS = 5  # compile=True: the first log iteration this many steps into a run checks for zero gradients
 
@@ -70,6 +70,10 @@ def check_run_config(cfg):
             raise ConfigError(f"{key} must be a whole number > 0, got {cfg[key]!r}")
     if not isinstance(cfg["max_iters"], int) or cfg["max_iters"] < 0:
         raise ConfigError(f"max_iters must be a whole number >= 0, got {cfg['max_iters']!r}")
+    if cfg["max_seconds"] is not None:
+        seconds = cfg["max_seconds"]
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+            raise ConfigError(f"max_seconds must be a number of seconds > 0, got {cfg['max_seconds']!r}")
 
 
 def check_writable(out_dir):
@@ -148,8 +152,9 @@ def resume_budget(cfg, ckpt_cfg, explicit):
     """On resume the run's length (BUDGET_KEYS) comes from the checkpoint unless argv sets it, so a
     finished run resumed with fewer arguments does not train on. The rule: a set max_iters or
     lr_decay_iters extends (or shortens) the run or its decay, nanoGPT's way to train on; a max_flops
-    budget decides max_iters again exactly as it did, and max_flops and warmup_iters cannot change
-    (plan_iterations compares them with the checkpoint's after planning)."""
+    budget decides max_iters again exactly as it did, and max_flops, max_seconds and warmup_iters cannot
+    change (plan_iterations compares them with the checkpoint's after planning; with max_seconds the
+    warm-up is re-planned from the pace, so it is not compared)."""
     return {k: ckpt_cfg.get(k, cfg[k]) for k in BUDGET_KEYS if k not in explicit}
 
 
@@ -494,7 +499,7 @@ class Trainer:
                                                              (cfg["beta1"], cfg["beta2"]), cfg["nag_gate_lr_scale"],
                                                              cfg["nag_gate_decay"])
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg["dtype"] == "float16")
-        self.iter_num, self.best_val_loss, self.flops_base = 0, float("inf"), None
+        self.iter_num, self.best_val_loss, self.flops_base, self.seconds = 0, float("inf"), None, 0.0
         if ckpt is not None:
             self.raw_model.load_state_dict(ckpt["model"])
             self.optimizer.load_state_dict(ckpt["optimizer"])
@@ -503,6 +508,7 @@ class Trainer:
                 self.scaler.load_state_dict(ckpt["scaler"])
             self.iter_num, self.best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
             self.flops_base = ckpt.get("flops")  # the realised training FLOPs so far (older checkpoints: None)
+            self.seconds = ckpt.get("seconds", 0.0)  # the training seconds so far: max_seconds goes on from here
             rngs = ckpt.get("rng", [])
             if len(rngs) == self.world:
                 torch.set_rng_state(rngs[self.rank]["torch"].cpu())
@@ -557,13 +563,51 @@ class Trainer:
                       + f", lr_decay_iters {cfg['lr_decay_iters']:,}"
                       + (" (skip_middle: counted dense, an upper bound; log.jsonl has the realised FLOPs)"
                          if gptconf.mod == "skip_middle" else ""))
+        if cfg["max_seconds"] is not None:  # equal time: plan_seconds sets the iterations at every step boundary
+            if cfg["max_flops"] is not None:  # after resume_budget: either may come from the checkpoint
+                raise ConfigError("max_flops and max_seconds are two budgets (FLOPs, time): set one of them")
+            if self.ddp:
+                raise ConfigError("max_seconds runs in one process for now (DDP ranks would have to agree on the "
+                                  "deadline): drop torchrun or use --max_flops")
+            self.warmup_asked = cfg["warmup_iters"]  # capped at WARMUP_CAP of each estimate, as with max_flops
+            if self.ckpt_cfg is not None:  # until this process's pace is measured: the plan the checkpoint has
+                cfg["max_iters"] = cfg["lr_decay_iters"] = self.ckpt_cfg.get("max_iters", cfg["max_iters"])
+            if self.master:
+                print(f"max_seconds {cfg['max_seconds']:g}: max_iters, lr_decay_iters and warmup_iters (at most "
+                      f"{WARMUP_CAP:.0%} of the iters) follow the pace measured after the first step; the run ends "
+                      f"at the first step boundary past {cfg['max_seconds']:g} s of training (evals not counted)")
         if self.ckpt_cfg is not None:  # resume_budget's rule: planned from the same inputs, only argv differs
-            for k in ("max_flops", "warmup_iters"):
+            for k in ("max_flops", "max_seconds") + (("warmup_iters",) if cfg["max_seconds"] is None else ()):
                 saved = self.ckpt_cfg.get(k, cfg[k])
                 if cfg[k] != saved:
                     raise ConfigError(f"the checkpoint's run has {k}={saved!r}, not {cfg[k]!r}: resume keeps the "
                                       f"run's budget; drop --{k} or use another out_dir")
         self.gpu_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None  # MFU
+
+    def plan_seconds(self):
+        """max_seconds, at a step boundary (host time, no sync): the run ends here once max_seconds of training
+        are spent (max_iters = this iteration); until then max_iters is where the pace of this process's
+        steps after its first reaches the deadline (before one is timed: as planned), never this iteration,
+        and the LR schedule follows it: the decay completes at the deadline, the warm-up capped at WARMUP_CAP."""
+        cfg = self.cfg
+        spent = self.seconds_trained()
+        if spent >= cfg["max_seconds"]:
+            if self.master:
+                print(f"max_seconds {cfg['max_seconds']:g} reached at iter {self.iter_num} ({spent:.1f} s of training)")
+            cfg["max_iters"] = self.iter_num
+            return
+        timed = self.iter_num - self.start_iter - 1  # this process's steps after its first (the warm-up)
+        if timed > 0:
+            pace = (spent - self.start_seconds) / timed
+            left = (cfg["max_seconds"] - spent) / pace if pace > 0 else 1  # a frozen clock: one step at a time
+            cfg["max_iters"] = self.iter_num + math.ceil(left)
+        cfg["max_iters"] = cfg["lr_decay_iters"] = max(cfg["max_iters"], self.iter_num + 1)
+        cfg["warmup_iters"] = min(self.warmup_asked, math.ceil(WARMUP_CAP * cfg["max_iters"]))
+
+    def seconds_trained(self):
+        """Training seconds of the run (earlier processes' too) up to now: to the last sync point, then the
+        time since (t_last is reset after the first step, which warms up, and after each eval)."""
+        return self.seconds + time.time() - self.t_last
 
     def lr(self, it):
         """The learning rate of iteration it: linear warm-up, cosine decay to min_lr at lr_decay_iters."""
@@ -602,7 +646,8 @@ class Trainer:
         the run did since the last eval go to log.jsonl, and the checkpoint is saved."""
         cfg = self.cfg
         self.read_stats(self.iter_num - 1)  # waits for the steps still queued on the GPU: their time is training
-        self.train_time += time.time() - self.t_last if self.iters_since else 0.0
+        dt = time.time() - self.t_last if self.iters_since else 0.0
+        self.train_time, self.seconds = self.train_time + dt, self.seconds + dt
         rngs, flops = self.all_rng_states(), self.flops_so_far()
         if self.master:
             t_eval = time.time()
@@ -617,7 +662,7 @@ class Trainer:
             improved = losses["val"] < self.best_val_loss
             self.best_val_loss = min(self.best_val_loss, losses["val"])
             if self.iter_num > 0 and not cfg["eval_only"] and (improved or cfg["always_save_checkpoint"]):
-                self.save(rngs, flops)  # eval_only trains nothing: the checkpoint it read stays as it was
+                self.save(rngs, flops, self.seconds)  # eval_only trains nothing: the checkpoint it read stays as it was
             if self.evals_run:  # the process's first eval also warms the eval path up: no measure of the next
                 self.eval_s = time.time() - t_eval
             self.evals_run += 1
@@ -654,12 +699,12 @@ class Trainer:
         record["residual"] = cfg["residual"]  # plot.py's labels and tables
         return record
 
-    def save(self, rngs, flops):
+    def save(self, rngs, flops, seconds):
         save_checkpoint({
             "model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(), "model_args": asdict(self.gptconf),
             "iter_num": self.iter_num, "best_val_loss": self.best_val_loss, "config": self.cfg, "rng": rngs,
-            "flops": flops,
+            "flops": flops, "seconds": seconds,
         }, self.ckpt_path)
         print(f"saved checkpoint to {self.ckpt_path}")
 
@@ -729,7 +774,7 @@ class Trainer:
                     os.link(self.ckpt_path, best_path)  # a hard link: instant, and ckpt.pt stays in place
                 except OSError:  # a file system without hard links
                     shutil.copyfile(self.ckpt_path, best_path)
-            self.save(rngs, flops)
+            self.save(rngs, flops, self.seconds_trained())
         self.stop.restore()  # only now: a repeated signal must not break off the save
         if self.ddp:
             dist.barrier()
@@ -761,7 +806,7 @@ class Trainer:
         # MFU from the FLOPs these iterations really did (MoD: their executed fractions)
         utilisation = (mfu((self.stats.flops - self.flops_mark) / (self.log_iters * self.accum * self.micro_tokens),
                            self.tokens_per_iter / dt, self.gpu_name, self.world) if dt else None)
-        self.train_time += t_now - self.t_last
+        self.train_time, self.seconds = self.train_time + t_now - self.t_last, self.seconds + t_now - self.t_last
         self.t_last, self.log_iters, self.flops_mark = t_now, 0, self.stats.flops
         if self.master:
             left = cfg["max_iters"] - self.iter_num - 1
@@ -783,7 +828,8 @@ class Trainer:
     def run(self):
         """Evaluate (and checkpoint) before iteration iter_num; train it; repeat. Returns the best val loss."""
         cfg = self.cfg
-        start_iter = self.iter_num
+        start_iter = self.start_iter = self.iter_num
+        self.start_seconds = self.seconds  # max_seconds: the pace is this process's (plan_seconds)
         self.train_time, self.iters_since = 0.0, 0  # training time and iterations since the last eval
         self.t_last, self.log_iters = time.time(), 0  # the last sync point (log, eval) and the iterations since
         self.flops_mark = 0.0  # stats.flops (this rank's) at the last sync point: the log line's MFU
@@ -797,6 +843,8 @@ class Trainer:
                                 self.iter_num, self.rank * self.accum, self.accum, self.device)
         self.stop = StopSignals().install()  # restored when the loop ends (normally, by a signal or by NaNs)
         while True:
+            if cfg["max_seconds"] is not None:
+                self.plan_seconds()
             lr = self.lr(self.iter_num)
             set_lr(self.optimizer, lr)
             if cfg["nag_alpha_warmup_tokens"]:  # on the device, no host read; evals see it too, as in the reference

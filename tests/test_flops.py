@@ -402,6 +402,28 @@ def test_sweep_resumes_and_reports_failures(data_dir, tmp_path, capsys, monkeypa
     assert [r["status"] for r in rows] == statuses
 
 
+def test_equal_time_sweep(data_dir, tmp_path, capsys, monkeypatch, fake_train):
+    """budget_seconds: every run gets --max_seconds and no --max_flops (budget's default gives way), and
+    results.md says so and shows the FLOPs each cell really spent; a budget set too is an error."""
+    monkeypatch.setattr(flops, "plot_results", lambda *args: None)  # drawn in test_sweep_resumes_and_reports_failures
+    base = tiny_train_config(data_dir, tmp_path)
+    argv = [f"--train_config={base}", f"--out_root={tmp_path}", "--sweep_name=s", "--residuals=['prenorm']",
+            "--depths=[1, 2]", "--budget_seconds=30"]
+    rows = flops.run_sweep(argv)
+    assert "budget: 30 seconds of training per run (train.py --max_seconds)" in capsys.readouterr().out
+    for r in rows:
+        (cmd,) = fake_train(tmp_path / "s" / r["run"])
+        assert cmd == [str(base), f"--out_dir={tmp_path / 's' / r['run']}", "--max_seconds=30",
+                       "--residual='prenorm'", f"--n_layer={r['n_layer']}"]
+    table = (tmp_path / "s" / "results.md").read_text()
+    assert table.startswith("equal-time sweep at 30 seconds of training per run")
+    for r in rows:  # the realised FLOPs of each cell's (one) run, as its log has them
+        assert r["flops"] == 1000.0 * r["n_layer"] * 128 * 4
+        assert table.split(f"| {r['cell']} |")[1].split("\n")[0].endswith(f"| {r['flops']:.3g} |")
+    with pytest.raises(ConfigError, match="budget .FLOPs. and budget_seconds .time. are two kinds of sweep"):
+        flops.run_sweep(argv + ["--budget=1e9"])
+
+
 def test_sweep_runs_train_py(data_dir, tmp_path):
     """One real train.py run through the sweep: train.py takes its command line, trains the budget's
     iterations and logs what the row is read from (a MoD run: the FLOPs its top-k really ran)."""

@@ -10,6 +10,7 @@ import os
 import pickle
 import re
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -30,7 +31,7 @@ from configurator import ConfigError, configure  # noqa: E402
 from model import GPT, GPTConfig, SkipMiddle  # noqa: E402
 
 TOL = 1e-5  # fp32 on CPU; log.jsonl rounds losses to 6 decimals
-LOG_KEYS = {"iter", "tokens", "train_loss", "val_loss", "lr", "ms_per_iter", "tokens_per_s", "flops", "mfu"}
+LOG_KEYS = {"iter", "tokens", "train_loss", "val_loss", "lr", "ms_per_iter", "tokens_per_s", "flops", "mfu", "residual"}
 CKPT_KEYS = {"model", "optimizer", "model_args", "iter_num", "best_val_loss", "config", "rng"}
 MODEL_ARGS = ("n_layer", "n_head", "n_embd", "block_size")
 
@@ -874,6 +875,75 @@ def test_resume_keeps_the_budget(data_dir, tmp_path, in_process, monkeypatch):
         in_process(tiny_args(data_dir, budget_run, init_from="resume", warmup_iters=0))
 
 
+def fake_clock(monkeypatch, step_s=1.0, warm_up_s=1000.0, eval_s=500.0):
+    """train.py's clock moves only when a step (step_s; the first, warm-up, step_s + warm_up_s) or an eval
+    (eval_s) runs. Returns the LR of every iteration that set one, in order (set_lr's calls)."""
+    now, steps, lrs = [0.0], [], []
+    train_step, estimate_loss, set_lr = train.train_step, train.Trainer.estimate_loss, train.set_lr
+
+    def step(*args, **kw):
+        now[0] += step_s + (warm_up_s if not steps else 0.0)
+        steps.append(1)
+        return train_step(*args, **kw)
+
+    def evaluate(self):
+        now[0] += eval_s
+        return estimate_loss(self)
+    monkeypatch.setattr(train, "time", types.SimpleNamespace(time=lambda: now[0]))
+    monkeypatch.setattr(train, "train_step", step)
+    monkeypatch.setattr(train.Trainer, "estimate_loss", evaluate)
+    monkeypatch.setattr(train, "set_lr", lambda optimizer, lr: lrs.append(lr) or set_lr(optimizer, lr))
+    return lrs
+
+
+def test_max_seconds_ends_at_the_deadline(data_dir, tmp_path, in_process, monkeypatch, capsys):
+    """--max_seconds=20 at 1 s a step (fake clock): the warm-up step (1000 s) and the evals (500 s each) do
+    not count, so iterations 1..20 spend the budget and the run ends at iteration 21 with a final eval and
+    checkpoint. The pace (measured from iteration 2 on) plans 21 iterations: the warm-up (asked: 100) is
+    capped at ceil(10% of 21) = 3 and the cosine reaches min_lr at the deadline."""
+    lrs = fake_clock(monkeypatch)
+    in_process(tiny_args(data_dir, tmp_path / "out", max_iters=1000, lr_decay_iters=None, warmup_iters=100,
+                         eval_interval=5) + ["--max_seconds=20"])
+    assert "max_seconds 20 reached at iter 21 (20.0 s of training)" in capsys.readouterr().out
+    log, ckpt = read_log(tmp_path / "out"), load_ckpt(tmp_path / "out")
+    assert [r["iter"] for r in log] == [0, 5, 10, 15, 20, 21]
+    assert ckpt["iter_num"] == 21 and ckpt["seconds"] == 20.0 and ckpt["config"]["max_iters"] == 21
+    assert len(lrs) == 22  # iterations 0..20 trained, 21 evaluated
+    assert max(lrs) == lrs[3] == pytest.approx(1e-3) and lrs[2] < 1e-3  # the peak at iteration 3 (~10% of the time)
+    assert lrs[-1] == pytest.approx(1e-4) == log[-1]["lr"]  # the decay completed at the deadline
+    assert lrs[-2] - 1e-4 < 0.02 * (1e-3 - 1e-4)  # the last step's LR: within one step of min_lr
+    assert all(0 < r["ms_per_iter"] < 1500 for r in log[1:])  # evals and the warm-up are not in the timings
+
+
+def test_max_seconds_resume_continues_the_budget(data_dir, tmp_path, in_process, monkeypatch):
+    """A max_seconds run stopped by SIGTERM after 11 timed seconds checkpoints them; resumed without
+    --max_seconds (the checkpoint's budget), its 9 seconds left take iterations 13..21 (12 is the new
+    process's warm-up step), and it ends at 22. Budgets that clash are refused."""
+    fake_clock(monkeypatch)
+    steps, train_step = [], train.train_step
+
+    def step(*args, **kw):
+        steps.append(1)
+        if len(steps) == 12:  # during iteration 11
+            os.kill(os.getpid(), signal.SIGTERM)
+        return train_step(*args, **kw)
+    monkeypatch.setattr(train, "train_step", step)
+    # log_interval=5: iteration 11's second is clocked at the stop, not at a log line
+    args = tiny_args(data_dir, tmp_path / "out", max_iters=1000, lr_decay_iters=None, eval_interval=5, log_interval=5)
+    with pytest.raises(train.Interrupted):
+        in_process(args + ["--max_seconds=20"])
+    assert (load_ckpt(tmp_path / "out")["iter_num"], load_ckpt(tmp_path / "out")["seconds"]) == (12, 11.0)
+    del steps[:]
+    in_process(args + ["--init_from=resume"])
+    ckpt = load_ckpt(tmp_path / "out")
+    assert (len(steps), ckpt["iter_num"], ckpt["seconds"]) == (10, 22, 20.0)
+    assert read_log(tmp_path / "out")[-1]["iter"] == 22
+    with pytest.raises(ConfigError, match=r"has max_seconds=20, not 30.*drop --max_seconds"):
+        in_process(args + ["--init_from=resume", "--max_seconds=30"])
+    with pytest.raises(ConfigError, match="max_flops and max_seconds are two budgets"):
+        in_process(tiny_args(data_dir, tmp_path / "other") + ["--max_seconds=20", "--max_flops=1e9"])
+
+
 def test_resume_takes_kernels_as_a_run_setting(base_run, data_dir, tmp_path, in_process, capsys):
     out = tmp_path / "out"
     shutil.copytree(base_run, out)
@@ -936,7 +1006,7 @@ def test_wandb_logs_every_eval(data_dir, tmp_path, in_process, monkeypatch):
     assert [r["iter"] for r in rows] == [r["iter"] for r in log] == [0, 2, 4]
     for row, r in zip(rows, log):
         assert row["train/loss"] == r["train_loss"] and row["val/loss"] == r["val_loss"]
-        assert all(row[k] == r[k] for k in LOG_KEYS - {"train_loss", "val_loss"} if r[k] is not None), (row, r)
+        assert all(row[k] == r[k] for k in LOG_KEYS - {"train_loss", "val_loss", "residual"} if r[k] is not None), (row, r)
         assert row["_step"] == r["iter"]
 
 
