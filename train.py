@@ -876,12 +876,17 @@ def main(argv):
     return Trainer(configure(argv, DEFAULTS, HELP_FROM), argv).run()
 
 
-if __name__ == "__main__":
+def cli(argv):
+    """The command line: a bad configuration or a stopped run is one line on stderr and a non-zero exit."""
     try:
-        main(sys.argv[1:])
+        main(argv)
     except (ConfigError, TrainingStopped) as e:
         sys.exit(f"error: {e}")
     except Interrupted as e:
         if str(e):  # rank 0 only
             print(e, file=sys.stderr)
         sys.exit(128 + e.signum)  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:])

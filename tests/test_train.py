@@ -4,6 +4,8 @@ Runs whose command line matters (errors, resume, DDP) are real subprocesses (`py
 cwd = repo root, OMP_NUM_THREADS=1); a few others call train.main in-process, with one intra-op
 thread and the global RNG restored afterwards.
 """
+import contextlib
+import io
 import json
 import math
 import os
@@ -58,6 +60,21 @@ def run(cmd, timeout=300):
 
 def run_train(args, **kw):
     return run([sys.executable, "train.py", *map(str, args)], **kw)
+
+
+def run_train_here(args):
+    """train.py's command line (train.cli) in this process, as run_train gives it (exit code, stdout,
+    stderr) without a new interpreter's seconds of start-up: for the errors a start ends with.
+    test_cli_unknown_key_in_config_file runs the real script, so `python train.py` itself is tested."""
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), torch.random.fork_rng():
+        try:
+            train.cli([str(a) for a in args])
+        except SystemExit as e:  # sys.exit("error: ...") prints its message to stderr and exits 1
+            code = e.code if isinstance(e.code, int) else 1
+            if isinstance(e.code, str):
+                print(e.code, file=err)
+    return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def train_ok(args):
@@ -191,7 +208,7 @@ def test_shipped_configs_are_valid(path):
     (["--learning_rate=True"], ["learning_rate", "float"]),
 ], ids=["unknown-key", "str-for-int", "bool-for-float"])
 def test_cli_config_errors(args, needles):
-    assert_one_line_error(run_train(args), *needles)
+    assert_one_line_error(run_train_here(args), *needles)
 
 
 def test_cli_unknown_key_in_config_file(tmp_path):
@@ -204,17 +221,17 @@ def test_cli_unknown_key_in_config_file(tmp_path):
 # 2. bad inputs: one line that names the fix
 
 def test_n_embd_not_divisible_by_n_head(data_dir, tmp_path):
-    r = run_train(tiny_args(data_dir, tmp_path / "out", n_embd=30, n_head=4))
+    r = run_train_here(tiny_args(data_dir, tmp_path / "out", n_embd=30, n_head=4))
     assert_one_line_error(r, "n_embd (30)", "divisible by n_head (4)")
 
 
 def test_missing_dataset_names_its_prepare_script(tmp_path):
-    r = run_train(tiny_args(tmp_path, tmp_path / "out", dataset="openwebtext"))
+    r = run_train_here(tiny_args(tmp_path, tmp_path / "out", dataset="openwebtext"))
     assert_one_line_error(r, str(tmp_path / "openwebtext" / "train.bin"), "python data/openwebtext/prepare.py")
 
 
 def test_resume_without_checkpoint(data_dir, tmp_path):
-    r = run_train(tiny_args(data_dir, tmp_path / "out", init_from="resume"))
+    r = run_train_here(tiny_args(data_dir, tmp_path / "out", init_from="resume"))
     assert_one_line_error(r, "no checkpoint at", str(tmp_path / "out" / "ckpt.pt"), "--init_from=scratch")
 
 
@@ -226,7 +243,7 @@ def test_corrupt_checkpoint_is_a_clear_error_and_kept(damage, base_run, data_dir
     bad = good[:len(good) // 2] if damage == "truncated" else np.random.default_rng(0).bytes(4096)
     (out / "ckpt.pt").write_bytes(bad)
     before = sorted(os.listdir(out))
-    r = run_train(tiny_args(data_dir, out, init_from="resume", max_iters=10))
+    r = run_train_here(tiny_args(data_dir, out, init_from="resume", max_iters=10))
     assert_one_line_error(r, str(out / "ckpt.pt"), "corrupt or truncated", "--init_from=scratch")
     assert (out / "ckpt.pt").read_bytes() == bad  # neither overwritten nor deleted
     assert sorted(os.listdir(out)) == before
@@ -235,14 +252,14 @@ def test_corrupt_checkpoint_is_a_clear_error_and_kept(damage, base_run, data_dir
 def test_resume_refuses_a_changed_architecture(base_run, data_dir, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(base_run, out)
-    r = run_train(tiny_args(data_dir, out, init_from="resume", n_layer=3, max_iters=10))
+    r = run_train_here(tiny_args(data_dir, out, init_from="resume", n_layer=3, max_iters=10))
     assert_one_line_error(r, "n_layer=2", "not 3")
 
 
 @pytest.mark.parametrize("n_train, n_val, split", [(1000, 32, "val"), (32, 1000, "train")])
 def test_block_size_larger_than_a_split(n_train, n_val, split, tmp_path):
     data = tiny_dataset(tmp_path / "data", n_train, n_val)
-    r = run_train(tiny_args(data, tmp_path / "out", dataset="tiny", block_size=32))
+    r = run_train_here(tiny_args(data, tmp_path / "out", dataset="tiny", block_size=32))
     assert_one_line_error(r, "block_size 32", f"{split} split", f"({min(n_train, n_val)} tokens)", "--block_size")
 
 
