@@ -555,16 +555,18 @@ def read_results(path):
 
 
 def results(argv):
-    """python flops.py results out/<sweep>/results.csv [--baseline=CELL]: results.md's tables, from the CSV
-    alone (the run folders are not needed), printed."""
+    """python flops.py results out/<sweep>/results.csv ... [--baseline=CELL]: results.md's tables, from
+    the CSVs alone (the run folders are not needed), printed. Several CSVs are read as one sweep, so a
+    cell run later (a sweep of its own) is tested against the cells of an earlier one."""
     files = [a for a in argv if not a.startswith("-")]
     cfg = configure([a for a in argv if a.startswith("-")], RESULTS_DEFAULTS, [(__file__, "RESULTS_DEFAULTS")])
-    if len(files) != 1:
-        raise ConfigError("flops.py results takes one results.csv, e.g. python flops.py results docs/sweep_mod_cpu.csv")
-    rows = read_results(files[0])
+    if not files:
+        raise ConfigError("flops.py results takes one or more results.csv, e.g. python flops.py results "
+                          "docs/sweep_mod_cpu.csv")
+    rows = [r for path in files for r in read_results(path)]
     cells = aggregate(rows)
     check_baseline(cfg["baseline"], [c["cell"] for c in cells])
-    text = results_markdown(rows, cells, f"{files[0]}", cfg["baseline"])
+    text = results_markdown(rows, cells, " + ".join(files), cfg["baseline"])
     print(text, end="")
     return text
 

@@ -548,6 +548,12 @@ def test_results_from_a_csv_test_each_cell_against_its_baseline(tmp_path, capsys
         flops.main(["results", str(path), "--baseline=e"])
     with pytest.raises(ConfigError, match="no results file"):
         flops.main(["results", str(tmp_path / "missing.csv")])
+    # a cell from another sweep's CSV is tested against this one's cells
+    other = tmp_path / "other.csv"
+    rows_e = [line for line in path.read_text().splitlines()[1:] if line.startswith("b_L2_")]
+    other.write_text(path.read_text().splitlines()[0] + "\n" + "\n".join(r.replace("b_L2", "e_L2") for r in rows_e) + "\n")
+    text = flops.main(["results", str(path), str(other)])
+    assert f"| e_L2 | a_L2 | {' | '.join(run_config.significance_cells(losses['b_L2'], losses['a_L2']))} |" in text
 
 
 def test_sweep_needs_a_sweep_config(monkeypatch):
