@@ -108,6 +108,12 @@ def forward_flops(config, exec_frac=None):
     return out
 
 
+def counted_dense(config):
+    """Whether the MoD mode has no fixed capacity, so the planned FLOPs count it dense (an upper
+    bound) and only the realised FLOPs (train.py's log) are exact."""
+    return config.mod == "skip_middle"
+
+
 def train_flops_per_token(config, exec_frac=None):
     """Forward + backward: 3 x the forward FLOPs."""
     return 3 * sum(forward_flops(config, exec_frac).values())

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernels import IMPLS, depth_attention, fp32_math, nag_update, rms_norm, upcast
@@ -487,6 +488,9 @@ class NAG(nn.Module):
         r, s = state
         return torch.exp(s) * r
 
+    def set_warmup(self, scale):
+        self.alpha_scale.fill_(scale)  # on the device, no host read
+
     def gate_parameters(self):
         """nag-nanochat's gate group (nag_gate_lr_scale): alpha and every modulator's w, b, c, beta."""
         return [self.alpha, *self.modulators.parameters()]
@@ -538,13 +542,18 @@ class BlockAttnRes(nn.Module):
             self.key_norm_weights = nn.ParameterList(nn.Parameter(torch.ones(d)) for _ in range(n))
         self.norms = nn.ModuleList(RMSNorm(d, config.kernels) for _ in range(n))
         self.norm_f = RMSNorm(d, config.kernels)
-        self.impl = config.kernels
+        self.impl, self.config = config.kernels, config
 
     def embed(self, e):
         # every source in the compute dtype (bf16 under autocast), so none is promoted to fp32
         if torch.is_autocast_enabled(e.device.type):
             e = e.to(torch.get_autocast_dtype(e.device.type))
         return [e], None  # finished blocks, partial sum of the current block
+
+    def describe(self):
+        if self.block_ends.count(True) == len(self.block_ends):
+            return ""
+        return f" in {self.config.attnres_blocks_used} blocks of {self.config.attnres_layers_per_block} layer(s)"
 
     def sources(self, state):
         """The list of sources a sublayer mixes. Each tensor is written once and read where it lies
@@ -902,6 +911,7 @@ class SkipMiddle(nn.Module):
     (L = 2) the target is skip_target: the reference's linspace(1, end, 1) gives 1 there, a gate that
     never aims to skip. Producers get no weight decay (no_decay), as in the reference."""
     eta, tolerance = 1e-3, 0.01
+    unused_parameters = True  # DDP: a middle block whose gate is 0 on all of a rank's tokens gets no gradient there
     gather = True  # False: the soft path (every token runs, masked), which tests compare against
     no_decay = True  # configure_optimizers: none of this module's parameters decay
 
@@ -957,6 +967,18 @@ class SkipMiddle(nn.Module):
             g64 = g.detach().double()
             self.gate_sums.add_(torch.stack([torch.full_like(g64[:, 0], g.size(1)), g64.sum(1), g64.square().sum(1)]))
         return (self.lam * g.mean(1) + self.mu * g.var(1)).mean()
+
+    @torch.no_grad()
+    def after_step(self, skipped=None):
+        """The pooled statistics of every DDP rank (one small all_reduce, on the device), then the
+        controller; a skipped step keeps lam and mu."""
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(self.gate_sums)
+        before = self.lam.clone(), self.mu.clone()
+        self.controller_step()
+        if skipped is not None:
+            for coef, old in zip((self.lam, self.mu), before):
+                coef.copy_(torch.where(skipped > 0, old, coef))
 
     @torch.no_grad()
     def controller_step(self):
@@ -1116,10 +1138,30 @@ class GPT(nn.Module):
         return [float(e) / self.last_tokens for e in self.last_executed]
 
     @torch.no_grad()
-    def after_step(self):
-        """Call after each optimiser step: skip_middle's sparsity controller."""
-        if isinstance(self.mod, SkipMiddle):
-            self.mod.controller_step()
+    def after_step(self, skipped=None):
+        """Call after each optimiser step. skipped: a 0-d device tensor, > 0 when the step was skipped
+        (non-finite gradients); a mode's own update then keeps its state. Modes with such an update
+        (skip_middle's sparsity controller) all-reduce their statistics over DDP ranks inside."""
+        for part in (self.stream, self.mod):
+            if hasattr(part, "after_step"):
+                part.after_step(skipped)
+
+    def set_warmup(self, scale):
+        """A mode's warm-up scale in [0, 1], set before each iteration (nag: alpha's token warm-up)."""
+        if hasattr(self.stream, "set_warmup"):
+            self.stream.set_warmup(scale)
+
+    @property
+    def unused_parameters(self):
+        """Whether a training step may leave some parameters without a gradient (DDP must be told)."""
+        return getattr(self.mod, "unused_parameters", False)
+
+    def describe(self):
+        """One line: the modes and the shape, for train.py's banner."""
+        c = self.config
+        mod = f" + mod={c.mod} at mod_rate {c.mod_rate:g}" if c.mod != "none" else ""
+        extra = self.stream.describe() if hasattr(self.stream, "describe") else ""
+        return f"{c.residual}{mod}: {c.n_layer} layers{extra}, {c.n_embd} wide"
 
     @torch.no_grad()
     def diagnostics(self, idx):
