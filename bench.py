@@ -88,7 +88,8 @@ def timeit(fn, device, reps, warmup=3):
 
 
 def kernel_cases(device, dtype):
-    """(name, inputs, reference, fused kernel, bytes moved forward, bytes moved backward)."""
+    """(name, inputs, reference, fused kernel, bytes moved forward, bytes moved backward): the public
+    function with impl="torch" (kernels.py's reference) and with impl="triton" (the custom op)."""
     gpu = device.type == "cuda"
     M, d, S = (16 * 1024, 768, 9) if gpu else (2048, 128, 9)  # rows = B * T tokens; S sources
     b = torch.empty((), dtype=dtype).element_size()
@@ -96,19 +97,19 @@ def kernel_cases(device, dtype):
     def make(*shapes):
         return [torch.randn(s, device=device, dtype=dtype).requires_grad_() for s in shapes]
 
+    def impls(fn):
+        return lambda *x: fn(*x, impl="torch"), lambda *x: fn(*x, impl="triton")
+
     r = torch.randn(M, d, device=device)
     r = ((r - r.mean(-1, keepdim=True)) / r.std(-1, keepdim=True)).to(dtype).requires_grad_()
     u, = make((M, d))
     a = torch.rand(M, 1, device=device, requires_grad=True)
     return [
-        ("rms_norm", make((M, d), (d,)), kernels.RMSNormTorch.apply, lambda x, w: kernels.rms_norm(x, w, impl="triton"),
-         2 * M * d * b, 3 * M * d * b, (1e-6,)),
-        ("nag_update", [r, u, a], kernels.nag_update_torch, lambda r, u, a: kernels.nag_update(r, u, a, impl="triton"),
-         3 * M * d * b, 5 * M * d * b, ()),
+        ("rms_norm", make((M, d), (d,)), *impls(kernels.rms_norm), 2 * M * d * b, 3 * M * d * b),
+        ("nag_update", [r, u, a], *impls(kernels.nag_update), 3 * M * d * b, 5 * M * d * b),
         # the model's call: a list of sources where they lie; the backward reads them twice
-        ("depth_attention", [make(*[(M, d)] * S), *make((d,), (d,))], kernels.depth_attention_torch,
-         lambda s, q, w: kernels.depth_attention(s, q, w, impl="triton"),
-         (S + 1) * M * d * b, (3 * S + 1) * M * d * b, ()),
+        ("depth_attention", [make(*[(M, d)] * S), *make((d,), (d,))], *impls(kernels.depth_attention),
+         (S + 1) * M * d * b, (3 * S + 1) * M * d * b),
     ]
 
 
@@ -120,8 +121,8 @@ def bench_kernels(device, dtype, use_compile, reps):
         print(f"copy bandwidth: {2 * x.numel() / t / 1e9:.0f} GB/s (clone of 256 MiB)")
     print("| kernel | impl | fwd us | fwd GB/s | fwd+bwd us | fwd+bwd GB/s | fwd+bwd vs eager |")
     print("|---|---|---|---|---|---|---|")
-    for name, inputs, ref, fused, bytes_fwd, bytes_bwd, extra in kernel_cases(device, dtype):
-        impls = {"eager": lambda *x, ref=ref, extra=extra: ref(*x, *extra)}
+    for name, inputs, ref, fused, bytes_fwd, bytes_bwd in kernel_cases(device, dtype):
+        impls = {"eager": ref}
         if use_compile:
             impls["compile"] = torch.compile(impls["eager"])
         if device.type == "cuda" and kernels.triton is not None:

@@ -41,8 +41,9 @@ def _check(key, value, defaults, where):
 
 
 def key_comments(sources):
-    """{key: the comment after it on its line} for the keys of each (path, name) in sources: the
-    module-level `name = dict(key=value, ...)` or dataclass `class name: key: type = value` of that file."""
+    """{key: the comment after it on its line} for the keys of each (path, name) in sources: every
+    `name = dict(key=value, ...)` of that file (at module level or in a class body: model.py's mode
+    options) or its dataclass `class name: key: type = value`."""
     comments = {}
     for path, name in sources:
         with open(path) as f:
@@ -51,7 +52,7 @@ def key_comments(sources):
         after_code = {tok.start[0]: tok.string.lstrip("#").strip()
                       for tok in tokenize.generate_tokens(io.StringIO(source).readline)
                       if tok.type == tokenize.COMMENT and tok.line[:tok.start[1]].strip()}
-        for node in ast.parse(source).body:
+        for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name] \
                     and isinstance(node.value, ast.Call):
                 keys = [(kw.arg, kw.value.end_lineno) for kw in node.value.keywords]

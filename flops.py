@@ -10,22 +10,20 @@ Convention. FLOPs count a multiply-add as 2 and are per token of the training se
   credited). torch's FlopCounterMode counts SDPA the same way (full square, is_causal ignored) on
   the GPU kernels; on CPU it has no formula for the CPU kernel and counts 0 (tests add one).
 - MLP sublayer 2*8*d^2; LM head 2*d*V (V the padded vocab); embedding lookups are free.
-- extras per mode: nag's modulator 2*C*d per sublayer; AttnRes 4*d per source a sublayer (or the
-  head) mixes (2d for the scores, 2d for the weighted sum: mat-vecs and broadcasts, not matmuls),
-  plus, with attnres_query=input, a query projection 2*d^2 per mixing sublayer and the head (a matmul);
-  mod=router: a linear router 2*d per router (one per routed sublayer, or per routed block with
-  mod_layout=block) plus, with mod_inference=predictor, its predictor MLP 2*(d + 1)*w (w =
-  GPTConfig.predictor_width), both on every token and only with mod_rate > 0 (at 0 the model never
-  routes, in training nor in eval); mod=skip_middle: a gate producer nn.Linear(d, 1) 2*d for each of
-  the first L/2 blocks. Norms, softmaxes, RoPE and the NAG write-back are not counted.
+- extras per mode: each residual mode and MoD mode states the FLOPs it adds beyond the backbone
+  (its flops(config) in model.py: nag's modulator 2*C*d per sublayer; AttnRes 4*d per source a
+  sublayer or the head mixes, mat-vecs, plus 2*d^2 per mixing point with attnres_query=input;
+  mod=router 2*d per router and its predictor MLP, only with mod_rate > 0; skip_middle's gate
+  producers 2*d for each of the first L/2 blocks). A mode that states none is an error, never a
+  silent prenorm count. Norms, softmaxes, RoPE and the NAG write-back are not counted.
 - Mixture-of-Depths: sublayer l runs on a fraction exec_frac[l] of the tokens, so its matmuls scale
   with exec_frac[l] and its attention scores with exec_frac[l]^2 (a compressed sequence of
   exec_frac[l] * T tokens). Scoring (modulator, router, gate producers) and depth mixing run on
-  every token. Without a measured exec_frac, mod=nag and mod=router count their training capacity
-  GPTConfig.mod_keep = k / T (top-k: exactly what training runs) for every routed sublayer
-  (GPTConfig.mod_routed: with mod_every=k those of every k-th block) and 1 for the others; skip_middle
-  has no fixed capacity (its gates decide), so it counts 1 (dense, an upper bound) unless given the
-  measured GPT.executed_fraction(), which is what train.py logs its cumulative FLOPs from.
+  every token. Without a measured exec_frac, each MoD mode's planned_fractions(config) count: for
+  mod=nag and mod=router the training capacity k / T (top-k: exactly what training runs) of every
+  routed sublayer and 1 for the others; skip_middle has no fixed capacity (its gates decide), so it
+  counts 1 (dense, an upper bound) unless given the measured GPT.executed_fraction(), which is what
+  train.py logs its cumulative FLOPs from.
   (Eval routing by thresholds keeps a different number of tokens per row; a batch is padded to the
   row that keeps most, and that padding is computed but not counted: executed fractions count
   tokens that ran.)
@@ -48,40 +46,49 @@ import torch
 
 from configurator import ConfigError, configure
 import run_config
-from model import GPT
+from model import GPT, MODS, RESIDUALS
 
-TOPK_MODS = ("nag", "router")  # MoD modes with a fixed training capacity (top-k)
-# components that are matmuls as torch's FlopCounterMode sees them (mm, addmm, bmm, SDPA)
-MATMUL = ("attn_proj", "attn_scores", "mlp", "head", "nag_modulator", "attnres_query", "router", "mod_predictor",
-          "skip_gates")
+BACKBONE_MATMULS = ("attn_proj", "attn_scores", "mlp", "head")  # matmuls as FlopCounterMode sees them
 
 
 # -----------------------------------------------------------------------------
 # FLOPs and params
 
-def attnres_sources(config):
-    """How many sources each sublayer 0..2L-1, then the head, mixes over depth (0: no mixing).
-    Follows BlockAttnRes: finished blocks (b_0 = embedding) plus the running partial sum, with the
-    model's own partition (GPTConfig.ends_depth_block)."""
-    n = config.n_sublayers
-    if config.residual not in ("attnres", "block_attnres"):
-        return [0] * (n + 1)
-    finished, partial, counts = 1, False, []
-    for l in range(n):
-        counts.append(0 if l == 0 else finished + partial)  # sublayer 0 reads the embedding as is
-        partial = True
-        if config.ends_depth_block(l):
-            finished, partial = finished + 1, False
-    return counts + [finished]
+def modes(config):
+    """The residual mode's class and, if any, the MoD mode's."""
+    return [RESIDUALS[config.residual]] + ([MODS[config.mod]] if MODS[config.mod] else [])
+
+
+def mode_flops(config):
+    """The forward FLOPs per token the modes add, by name, from each mode's own flops(config)."""
+    out = {}
+    for cls in modes(config):
+        if "flops" not in vars(cls):  # an inherited count would be a silent guess
+            raise ValueError(f"{cls.__name__} states no FLOPs: give it its own flops(config) (model.py's "
+                             f"Residual says how; return {{}} when it adds none)")
+        out.update(cls.flops(config))
+    return out
+
+
+def matmul_parts(config):
+    """The names of forward_flops' components that are matmuls (FlopCounterMode counts those)."""
+    vector = {name for cls in modes(config) for name in cls.vector_flops}
+    return set(BACKBONE_MATMULS) | {name for name in mode_flops(config) if name not in vector}
+
+
+def counted_dense(config):
+    """Whether the MoD mode has no fixed capacity, so the planned FLOPs count it dense (an upper
+    bound) and only the realised FLOPs (train.py's log) are exact."""
+    return config.mod != "none" and MODS[config.mod].counted_dense
 
 
 def forward_flops(config, exec_frac=None):
     """Forward FLOPs per token by component (dict, see the module docstring for the convention).
     exec_frac: the executed fraction of each of the 2L sublayers (MoD), e.g. GPT.executed_fraction();
-    default: the training capacity config.mod_keep for the sublayers mod=nag/router routes, else 1."""
+    default: the MoD mode's planned_fractions (nag, router: the training capacity of the routed sublayers)."""
     d, T, n = config.n_embd, config.block_size, config.n_sublayers
     if exec_frac is None:
-        f = [config.mod_keep if l in config.mod_routed else 1.0 for l in range(n)]
+        f = MODS[config.mod].planned_fractions(config) if MODS[config.mod] else [1.0] * n
     else:
         f = [float(x) for x in exec_frac]
     if len(f) != n or not all(0.0 <= x <= 1.0 for x in f):
@@ -93,25 +100,7 @@ def forward_flops(config, exec_frac=None):
         "mlp": 2 * 8 * d * d * sum(mlp),
         "head": 2 * d * config.padded_vocab_size,
     }
-    if config.residual == "nag":
-        out["nag_modulator"] = 2 * config.nag_channels * d * n
-    if config.residual in ("attnres", "block_attnres"):
-        out["attnres_depth"] = 4 * d * sum(attnres_sources(config))
-        if config.attnres_query == "input":  # W_l RMSNorm(latest source): sublayers 1..2L-1 and the head
-            out["attnres_query"] = 2 * d * d * n
-    if config.mod == "router" and config.mod_rate > 0:  # a linear score <w_l, x> on every token
-        out["router"] = 2 * d * config.n_routers
-        if config.mod_inference == "predictor":  # Linear(d, w), GELU, Linear(w, 1) per router, every token
-            out["mod_predictor"] = 2 * (d + 1) * config.predictor_width * config.n_routers
-    if config.mod == "skip_middle":  # s_i = ReLU(<w_i, x_i> + b_i) for the first L/2 blocks, every token
-        out["skip_gates"] = 2 * d * (config.n_layer // 2)
-    return out
-
-
-def counted_dense(config):
-    """Whether the MoD mode has no fixed capacity, so the planned FLOPs count it dense (an upper
-    bound) and only the realised FLOPs (train.py's log) are exact."""
-    return config.mod == "skip_middle"
+    return {**out, **mode_flops(config)}
 
 
 def train_flops_per_token(config, exec_frac=None):
@@ -207,11 +196,13 @@ def breakdown(argv):
     V = config.padded_vocab_size  # model.py pads to a multiple of 64 only where that adds <= 1/64 of rows
     print(f"{config.residual}: {config.n_layer} layers, d={config.n_embd}, T={config.block_size}, "
           f"V={config.vocab_size}" + (f" (padded to {V})" if V != config.vocab_size else ""))
-    if config.mod in TOPK_MODS:
-        print(f"mod={config.mod} at mod_rate {config.mod_rate:g}: {len(config.mod_routed)} of {config.n_sublayers} "
-              f"sublayers run their training capacity k/T = {config.mod_keep:.4g} of the tokens, the others all")
-    elif config.mod == "skip_middle":
-        print("mod=skip_middle: counted dense (the gates decide; train.py logs the realised FLOPs)")
+    planned = MODS[config.mod].planned_fractions(config) if MODS[config.mod] else None
+    if planned is not None and counted_dense(config):
+        print(f"mod={config.mod}: counted dense (the gates decide; train.py logs the realised FLOPs)")
+    elif planned is not None:
+        routed = [f for f in planned if f < 1]
+        print(f"mod={config.mod} at mod_rate {config.mod_rate:g}: {len(routed)} of {config.n_sublayers} sublayers run "
+              f"their training capacity k/T = {min(planned):.4g} of the tokens, the others all")
     print(f"{'component':<16}{'FLOPs/token':>14}{'share':>8}")
     for name, value in parts.items():
         print(f"{name:<16}{value:>14,.0f}{value / fwd:>8.1%}")
@@ -244,7 +235,7 @@ SWEEP_DEFAULTS = dict(
 )
 FIELDS = ["run", "cell", "seed", "residual", "n_layer", "mod", "mod_rate", "args", "status", "iters", "tokens",
           "flops", "params", "train_flops_per_token", "exec_train", "exec_eval", "eval_flops_per_token", "val_loss",
-          "best_val_loss", "seconds"]
+          "best_val_loss", "seconds", "s_per_iter"]
 GRID_KEYS = ("residual", "n_layer", "mod", "mod_rate", "seed")  # own columns; a cell's other keys go in `args`
 HERE = os.path.dirname(os.path.abspath(__file__))  # train.py runs here
 TRAIN_SCRIPT = "train.py"  # what each run launches, from HERE (tests swap in a fake)
@@ -294,6 +285,8 @@ def run_result(out_dir):
     row = {"status": "done", "iters": last["iter"], "tokens": last["tokens"], "flops": last.get("flops"),
            "val_loss": last["val_loss"], "best_val_loss": min(r["val_loss"] for r in recs), "seconds": seconds,
            "exec_train": last.get("exec_train"), "exec_eval": last.get("exec_eval")}
+    paces = [r["ms_per_iter"] / 1000 for r in recs if r.get("ms_per_iter")]  # each log interval's training pace
+    row["s_per_iter"] = statistics.median(paces) if paces else None
     if row["flops"] and row["tokens"]:  # realised: train.py counts MoD runs from their executed fractions
         row["train_flops_per_token"] = row["flops"] / row["tokens"]
     return row
@@ -462,12 +455,22 @@ def aggregate(rows):
         agg = {k: rs[0][k] for k in ("cell", "residual", "n_layer", "mod", "mod_rate", "args", "params")
                if k in rs[0]}
         agg.update(n=len(done), runs=len(rs), losses=[r["val_loss"] for r in done])
+        paces = [pace(r) for r in done if pace(r) is not None]
+        agg["s_per_iter"] = statistics.median(paces) if paces else None
         for k in ("val_loss", "best_val_loss", "iters", "train_flops_per_token", "eval_flops_per_token",
                   "exec_train", "exec_eval", "seconds", "flops"):
             vals = [r[k] for r in done if r.get(k) is not None]
             agg[k], agg[k + "_std"] = run_config.mean_std(vals) if vals else (None, None)
         out.append(agg)
     return out
+
+
+def pace(row):
+    """A run's seconds per training iteration: the median of its log's intervals, or, for a results.csv
+    from before that column, its wall time (evals included) over its iterations."""
+    if row.get("s_per_iter") is not None:
+        return row["s_per_iter"]
+    return row["seconds"] / row["iters"] if row.get("seconds") and row.get("iters") else None
 
 
 def check_baseline(baseline, cells):
@@ -486,14 +489,19 @@ def baselines(cells, baseline=None):
 def significance_lines(cells, baseline=None):
     """Markdown: each cell's final val loss against its baseline cell (run_config.significance_cells)."""
     losses = {c["cell"]: c["losses"] for c in cells}
+    paces = {c["cell"]: c["s_per_iter"] for c in cells}
     lines = ["", "Final val loss against a baseline cell (the sweep's `baseline`, else the first cell of the same "
-             "depth): difference of means, its 95% CI, Welch's t-test (* p < 0.05), and the seeds per cell that "
-             "would make the observed difference significant at 80% power:", "",
-             "| cell | baseline | " + " | ".join(run_config.SIGNIFICANCE_HEADER) + " |", "|" + "---|" * 6]
+             "depth): difference of means, its 95% CI, Welch's t-test (* p < 0.05), the seeds per cell that "
+             "would make the observed difference significant at 80% power, and the cell's median seconds per "
+             "iteration over the baseline's, measured in this sweep (a results.csv without s_per_iter: wall time over "
+             "iterations, evals included):", "",
+             "| cell | baseline | " + " | ".join(run_config.SIGNIFICANCE_HEADER) + " | s/iter vs baseline |",
+             "|" + "---|" * 7]
     for cell, base in baselines(cells, baseline).items():
         if cell != base:
+            ratio = f"{paces[cell] / paces[base]:.2f}x" if paces[cell] and paces[base] else "-"
             lines.append(f"| {cell} | {base} | " + " | ".join(run_config.significance_cells(losses[cell], losses[base]))
-                         + " |")
+                         + f" | {ratio} |")
     return lines
 
 
@@ -526,7 +534,7 @@ def results_markdown(rows, cells, what, baseline=None):
              "tokens a sublayer ran (eval: the last eval's routing).", "",
              "| cell | residual | layers | mod | mod_rate | args | runs done | iters | non-emb params "
              "| train FLOPs/token | eval fwd FLOPs/token | executed (train / eval) | final val loss | best val loss "
-             "| s per run | train FLOPs per run |", "|" + "---|" * 16]
+             "| s per run | s/iter (median) | train FLOPs per run |", "|" + "---|" * 17]
     for c in cells:
         lines.append(f"| {c['cell']} | {c['residual']} | {c['n_layer']} | {c['mod'] or '-'} | {c['mod_rate']:g} "
                      f"| {c['args'] or '-'} | {c['n']}/{c['runs']} | {fmt(c['iters'], ',.0f')} "
@@ -534,7 +542,7 @@ def results_markdown(rows, cells, what, baseline=None):
                      f"| {fmt(c['eval_flops_per_token'], '.4g')} "
                      f"| {fmt(c['exec_train'], '.3f')} / {fmt(c['exec_eval'], '.3f')} "
                      f"| {pm(c, 'val_loss')} | {pm(c, 'best_val_loss')} | {fmt(c['seconds'], '.0f')} "
-                     f"| {fmt(c['flops'], '.3g')} |")
+                     f"| {fmt(c['s_per_iter'], '.3f')} | {fmt(c['flops'], '.3g')} |")
     lines += significance_lines(cells, baseline)
     lines += ["", "Every run:", "", "| run | seed | status | iters | final val loss | best val loss | s |",
               "|" + "---|" * 7]

@@ -5,11 +5,16 @@ Fused kernels for nanodepth's three memory-bound row-wise operations, one sectio
     nag_update(r, u, a, eps=1e-6) -> (r_new, log_gain)  the NAG write-back (model.py's NAG.write)
     depth_attention(sources, query, norm_weight, eps=1e-6) -> mix
                                                        AttnRes: softmax over depth of RMS-normed sources
-    depth_scores(sources, query, norm_weight, eps)     its scores, for diagnostics
 
-Each section reads top to bottom: Triton forward kernel, Triton backward kernel, their launchers,
-the plain-PyTorch reference beside them, then the custom ops that tie the two together and the
-public function.
+Each section reads top to bottom, in the order of Triton's fused layer-norm tutorial: the Triton
+forward kernel, the Triton backward kernel and their launchers; the custom op that wraps them; the
+plain-PyTorch reference beside it; the public function.
+
+One reference per kernel: a forward and a backward function in plain PyTorch with the launchers'
+signatures and outputs (rms_norm_fwd_torch and rms_norm_bwd_torch, ...), the kernels' arithmetic
+written with tensor ops. They are the custom op's CPU implementation; wrapped in the section's
+autograd.Function (RMSNormTorch, NAGUpdateTorch, DepthAttentionTorch) they are the impl="torch"
+path; and tests/test_kernels.py measures the Triton kernels against them.
 
 Custom ops. Each kernel is a PyTorch custom op (`torch.ops.nanodepth.rms_norm`, `.nag_update`,
 `.depth_attention`), and so is its backward (`.rms_norm_backward`, ...), registered with
@@ -19,9 +24,8 @@ falling back around) a Python launcher. An op's CUDA implementation launches the
 its CPU implementation is the reference, so the ops run, and are tested, anywhere.
 
 The public functions pick a path with `impl` (GPTConfig.kernels):
-    "torch"   the reference with autograd: a hand-written autograd.Function where it is cheaper on
-              CPU (RMSNormTorch, DepthAttentionTorch), autograd through the formula otherwise
-              (nag_update_torch). Under torch.compile this is what inductor traces and fuses.
+    "torch"   the reference, through its autograd.Function. Under torch.compile this is what
+              inductor traces and fuses.
     "triton"  always the custom op: CUDA tensors run the Triton kernels, CPU tensors the op's CPU
               implementation (the reference). Needs the triton package.
     "auto"    the custom op for CUDA tensors when triton is installed, in eager mode and under
@@ -30,16 +34,15 @@ A benchmark compares the hand-written kernels with inductor's fusion of the refe
 kernels="triton" against kernels="torch" (both compiled); there is no separate switch for that.
 
 Tests run the Triton kernels on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1, set
-before triton is imported): either by calling the launchers (rms_norm_fwd_triton, ...) directly,
-or with `triton_on_cpu()`, which routes the ops' CPU calls to their CUDA implementation, so that
-the whole GPU path (op, autograd glue, launchers, kernels) runs on CPU.
+before triton is imported): by calling a launcher (rms_norm_fwd_triton, ...) directly, or with the
+ops' CPU implementations switched off (tests/triton_cpu.py), so that the whole GPU path (op,
+autograd glue, launchers, kernels) runs on CPU.
 
 All arithmetic is fp32 inside the kernels, whatever the storage dtype (fp32, bf16, fp16); outputs
 are stored in the input's dtype, per-row statistics in fp32. Every kernel handles any width d
 (masked to the next power of two), any number of rows and non-contiguous inputs (copied).
 """
 
-import contextlib
 from typing import Optional
 
 import torch
@@ -79,9 +82,9 @@ def acc_dtype(x):
 def cast(t, dtype):
     """t in dtype: t itself when it already is, never a no-op t.to(dtype) / t.type_as(x).
     An autograd.Function's forward must return a tensor that a plain out-of-place op made: under
-    torch 2.11's Dynamo, a forward whose output is an alias (a no-op .to) or was updated in place
-    (an addcmul_ into it) loses its backward, and every input's gradient comes back zero (torch
-    2.13 is right). tests/test_compile.py::test_compiled_equals_eager pins it; .ci/compat runs it on 2.11."""
+    torch 2.11's Dynamo, a forward whose output is an alias (a no-op .to or .contiguous()) or was
+    updated in place (an addcmul_ into it) loses its backward, and every input's gradient comes back
+    zero (torch 2.13 is right). tests/test_compile.py::test_compiled_equals_eager pins it; .ci/compat runs it on 2.11."""
     return t if t.dtype == dtype else t.to(dtype)
 
 
@@ -96,12 +99,11 @@ def _launch_shape(x):
     return x.numel() // d, d, triton.next_power_of_2(d)
 
 
-def custom_op(name, cuda_impl, cpu_impl):
-    """The op nanodepth::name: on CUDA tensors the Triton launcher, on CPU tensors the reference.
-    Its fake implementation and autograd are registered beside it, in the kernel's section."""
-    op = torch.library.custom_op(f"nanodepth::{name}", cuda_impl, mutates_args=(), device_types="cuda")
-    op.register_kernel("cpu", cpu_impl)
-    return op
+def custom_op(name, launcher):
+    """The op nanodepth::name, whose CUDA implementation is the Triton launcher. Its fake
+    implementation and autograd are registered beside it, its CPU implementation (the reference,
+    `@op.register_kernel("cpu")`) below it, in the kernel's section."""
+    return torch.library.custom_op(f"nanodepth::{name}", launcher, mutates_args=(), device_types="cuda")
 
 
 def _warps(BLOCK):
@@ -203,63 +205,8 @@ def rms_norm_bwd_triton(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: T
     return dx.view(x.shape), dw
 
 
-def _rms_norm_grad_x(g, x_hat, rstd):
-    """d x_hat / d x = rstd * (I - x_hat x_hat^T / d) applied to g: two fused passes (vecdot,
-    addcmul) and a scale, about 3x fewer elementwise passes than autograd through the forward."""
-    dot = torch.linalg.vecdot(g, x_hat, dim=-1).unsqueeze(-1).div_(-x_hat.shape[-1])
-    return torch.addcmul(g, x_hat, dot).mul_(rstd)
-
-
-def _rms_stats(xf, eps):
-    """rstd [..., 1] of fp32 rows; vector_norm squares and sums in one pass."""
-    return torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(xf.shape[-1]).add_(eps).rsqrt_()
-
-
-class RMSNormTorch(torch.autograd.Function):
-    """The reference (impl="torch"), with a hand-written backward: it saves x_hat, so the backward
-    is two passes; this matters on CPU, where small models are op-bound."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        xf = upcast(x)
-        inv = _rms_stats(xf, eps)
-        x_hat = cast(xf * inv, x.dtype)
-        ctx.save_for_backward(x_hat, weight, inv)
-        # in x's dtype, as the kernel and the op (a bf16 x and an fp32 weight give bf16)
-        return cast(x_hat * weight, x.dtype) if weight is not None else x_hat
-
-    @staticmethod
-    def backward(ctx, grad):
-        x_hat, weight, inv = ctx.saved_tensors
-        g, xf = upcast(grad), upcast(x_hat)  # fp32 math (no copies when x is fp32)
-        grad_weight = (g * xf).flatten(0, -2).sum(0).type_as(weight) if weight is not None else None
-        if weight is not None:
-            g = g * weight
-        return _rms_norm_grad_x(g, xf, inv).type_as(x_hat), grad_weight, None
-
-
-def rms_norm_fwd_torch(x: Tensor, weight: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor]:
-    """The op's CPU implementation: the launcher's contract in PyTorch (autocast reaches into an
-    op's implementation, hence fp32_math)."""
-    with fp32_math(x):
-        xf = upcast(x.contiguous())
-        rstd = _rms_stats(xf, eps)
-        y = xf * rstd
-        return (y * weight if weight is not None else y).to(x.dtype), rstd
-
-
-def rms_norm_bwd_torch(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor) -> tuple[Tensor, Tensor]:
-    with fp32_math(x):
-        x_hat = upcast(x.contiguous()) * rstd
-        g = upcast(dy.contiguous())
-        dw = (g * x_hat).flatten(0, -2).sum(0).to(weight.dtype) if weight is not None else rstd.new_empty(0)
-        if weight is not None:
-            g = g * weight
-        return _rms_norm_grad_x(g, x_hat, rstd).to(x.dtype), dw
-
-
-rms_norm_op = custom_op("rms_norm", rms_norm_fwd_triton, rms_norm_fwd_torch)
-rms_norm_backward_op = custom_op("rms_norm_backward", rms_norm_bwd_triton, rms_norm_bwd_torch)
+rms_norm_op = custom_op("rms_norm", rms_norm_fwd_triton)
+rms_norm_backward_op = custom_op("rms_norm_backward", rms_norm_bwd_triton)
 
 
 @rms_norm_op.register_fake
@@ -285,6 +232,60 @@ def _rms_norm_backward(ctx, dy, _):
 
 
 rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+
+
+# the reference: the launchers' contract in plain PyTorch (autocast reaches into an op's
+# implementation, hence fp32_math)
+
+def _rms_stats(xf, eps):
+    """rstd [..., 1] of fp32 rows; vector_norm squares and sums in one pass."""
+    return torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(xf.shape[-1]).add_(eps).rsqrt_()
+
+
+def _rms_norm_grad_x(g, x_hat, rstd):
+    """d x_hat / d x = rstd * (I - x_hat x_hat^T / d) applied to g: two fused passes (vecdot,
+    addcmul) and a scale, about 3x fewer elementwise passes than autograd through the forward."""
+    dot = torch.linalg.vecdot(g, x_hat, dim=-1).unsqueeze(-1).div_(-x_hat.shape[-1])
+    return torch.addcmul(g, x_hat, dot).mul_(rstd)
+
+
+@rms_norm_op.register_kernel("cpu")
+def rms_norm_fwd_torch(x: Tensor, weight: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor]:
+    """(y like x, contiguous; rstd [..., 1] fp32): y is x / rms(x) * weight in fp32, rounded once to
+    x's dtype, as the kernel stores it (a bf16 x and an fp32 weight give bf16)."""
+    with fp32_math(x):
+        xf = upcast(x.contiguous())
+        rstd = _rms_stats(xf, eps)
+        y = xf * rstd
+        return cast(y * weight if weight is not None else y, x.dtype), rstd
+
+
+@rms_norm_backward_op.register_kernel("cpu")
+def rms_norm_bwd_torch(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor) -> tuple[Tensor, Tensor]:
+    """(dx like x; dw like weight, or an empty tensor without one), from x and the saved rstd."""
+    with fp32_math(x):
+        x_hat = upcast(x.contiguous()) * rstd
+        g = upcast(dy.contiguous())
+        dw = (g * x_hat).flatten(0, -2).sum(0).to(weight.dtype) if weight is not None else rstd.new_empty(0)
+        if weight is not None:
+            g = g * weight
+        return _rms_norm_grad_x(g, x_hat, rstd).to(x.dtype), dw
+
+
+class RMSNormTorch(torch.autograd.Function):
+    """The reference with autograd (impl="torch"): it saves what the op saves (x, weight, rstd)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rstd = rms_norm_fwd_torch(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_bwd_torch(dy, x, weight, rstd)
+        return dx, dw if weight is not None else None, None
 
 
 def rms_norm(x, weight=None, eps=1e-6, impl="auto"):
@@ -387,55 +388,8 @@ def nag_update_bwd_triton(r: Tensor, u: Tensor, a: Tensor, grad_r_new: Tensor, g
     return gr.view(r.shape), gu.view(r.shape), ga.view(*r.shape[:-1], 1)
 
 
-def _nag_steps(r, u, a, eps):
-    """The forward's steps in fp32 (fp64 stays fp64): (r, a, uc, rr, s, inv, v, c, p, n, r_new),
-    the intermediates that the backward needs, r_new last."""
-    r, u, a = upcast(r), upcast(u), upcast(a)
-    uc = u - u.mean(-1, keepdim=True)  # 1. centre
-    rr = (r * r).sum(-1, keepdim=True)
-    s = (uc * r).sum(-1, keepdim=True) / rr
-    up = uc - s * r  # 2. orthogonal to r
-    inv = torch.rsqrt(up.square().mean(-1, keepdim=True) + eps)
-    v = up * inv  # 3. unit RMS
-    c = torch.rsqrt(1 + a * a)
-    p = r + a * v
-    r1 = c * p  # 6. rotate by arctan(a) ...
-    n = torch.rsqrt(r1.square().mean(-1, keepdim=True))
-    return r, a, uc, rr, s, inv, v, c, p, n, r1 * n  # ... and stop drift in low precision
-
-
-def nag_update_torch(r, u, a, eps=1e-6):
-    """The reference (impl="torch"): the same steps in plain PyTorch, autograd through them."""
-    af = upcast(a)
-    r_new = _nag_steps(r, u, a, eps)[-1]
-    return r_new.type_as(r), 0.5 * torch.log1p(af * af).expand(*r.shape[:-1], 1)  # 7. log-gain, per row
-
-
-def nag_update_fwd_torch(r: Tensor, u: Tensor, a: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """The op's CPU implementation: the reference, with contiguous outputs as the launcher's."""
-    r_new, log_gain = nag_update_torch(r.contiguous(), u.contiguous(), a, eps)
-    return r_new, log_gain.contiguous()
-
-
-def nag_update_bwd_torch(r: Tensor, u: Tensor, a: Tensor, grad_r_new: Tensor, grad_log_gain: Tensor,
-                         eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """The backward kernel's steps in PyTorch (the op's CPU implementation)."""
-    rf, a, uc, rr, s, inv, v, c, p, n, r_new = _nag_steps(r.contiguous(), u.contiguous(), a, eps)
-    g, gl = upcast(grad_r_new), upcast(grad_log_gain)
-    g_r1 = n * (g - r_new * (g * r_new).mean(-1, keepdim=True))  # through r_new = r1 / rms(r1)
-    g_a = (c * (g_r1 * v).sum(-1, keepdim=True) - a * c ** 3 * (g_r1 * p).sum(-1, keepdim=True)
-           + gl * a * c * c)  # through r1 = c (r + a v) and log_gain = 0.5 log1p(a^2)
-    g_v = c * a * g_r1
-    g_up = inv * (g_v - v * (g_v * v).mean(-1, keepdim=True))  # through v = up / rms(up)
-    gur = (g_up * rf).sum(-1, keepdim=True) / rr
-    g_uc = g_up - gur * rf  # through up = uc - s r
-    g_u = g_uc - g_uc.mean(-1, keepdim=True)  # through uc = u - mean(u)
-    g_r = c * g_r1 - s * g_up - gur * (uc - 2.0 * s * rf)
-    return g_r.to(r.dtype), g_u.to(u.dtype), g_a.expand(*r.shape[:-1], 1).contiguous()
-
-
-nag_update_op = custom_op("nag_update", nag_update_fwd_triton, nag_update_fwd_torch)
-nag_update_backward_op = custom_op("nag_update_backward", nag_update_bwd_triton, nag_update_bwd_torch)
+nag_update_op = custom_op("nag_update", nag_update_fwd_triton)
+nag_update_backward_op = custom_op("nag_update_backward", nag_update_bwd_triton)
 
 
 @nag_update_op.register_fake
@@ -467,12 +421,77 @@ def _nag_update_backward(ctx, grad_r_new, grad_log_gain):
 nag_update_op.register_autograd(_nag_update_backward, setup_context=_nag_update_setup)
 
 
+# the reference: the kernels' steps in plain PyTorch
+
+def _nag_steps(r, u, a, eps):
+    """The forward's steps in fp32 (fp64 stays fp64): (r, a, uc, rr, s, inv, v, c, p, n, r_new),
+    the intermediates that the backward needs, r_new last."""
+    r, u, a = upcast(r), upcast(u), upcast(a)
+    uc = u - u.mean(-1, keepdim=True)  # 1. centre
+    rr = (r * r).sum(-1, keepdim=True)
+    s = (uc * r).sum(-1, keepdim=True) / rr
+    up = uc - s * r  # 2. orthogonal to r
+    inv = torch.rsqrt(up.square().mean(-1, keepdim=True) + eps)
+    v = up * inv  # 3. unit RMS
+    c = torch.rsqrt(1 + a * a)
+    p = r + a * v
+    r1 = c * p  # 6. rotate by arctan(a) ...
+    n = torch.rsqrt(r1.square().mean(-1, keepdim=True))
+    return r, a, uc, rr, s, inv, v, c, p, n, r1 * n  # ... and stop drift in low precision
+
+
+@nag_update_op.register_kernel("cpu")
+def nag_update_fwd_torch(r: Tensor, u: Tensor, a: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(r_new like r, contiguous; log_gain [..., 1] fp32)."""
+    r, u = r.contiguous(), u.contiguous()
+    af = upcast(a)
+    r_new = _nag_steps(r, u, a, eps)[-1]
+    # 7. log-gain, per row; the product is the last op, so that it is never a no-op .contiguous() (see cast)
+    log_gain = 0.5 * torch.log1p(af * af).expand(*r.shape[:-1], 1).contiguous()
+    return cast(r_new, r.dtype), log_gain
+
+
+@nag_update_backward_op.register_kernel("cpu")
+def nag_update_bwd_torch(r: Tensor, u: Tensor, a: Tensor, grad_r_new: Tensor, grad_log_gain: Tensor,
+                         eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad r, grad u, grad a per row [..., 1] fp32): the backward kernel's steps."""
+    rf, a, uc, rr, s, inv, v, c, p, n, r_new = _nag_steps(r.contiguous(), u.contiguous(), a, eps)
+    g, gl = upcast(grad_r_new), upcast(grad_log_gain)
+    g_r1 = n * (g - r_new * (g * r_new).mean(-1, keepdim=True))  # through r_new = r1 / rms(r1)
+    g_a = (c * (g_r1 * v).sum(-1, keepdim=True) - a * c ** 3 * (g_r1 * p).sum(-1, keepdim=True)
+           + gl * a * c * c)  # through r1 = c (r + a v) and log_gain = 0.5 log1p(a^2)
+    g_v = c * a * g_r1
+    g_up = inv * (g_v - v * (g_v * v).mean(-1, keepdim=True))  # through v = up / rms(up)
+    gur = (g_up * rf).sum(-1, keepdim=True) / rr
+    g_uc = g_up - gur * rf  # through up = uc - s r
+    g_u = g_uc - g_uc.mean(-1, keepdim=True)  # through uc = u - mean(u)
+    g_r = c * g_r1 - s * g_up - gur * (uc - 2.0 * s * rf)
+    return g_r.to(r.dtype), g_u.to(u.dtype), g_a.expand(*r.shape[:-1], 1).contiguous()
+
+
+class NAGUpdateTorch(torch.autograd.Function):
+    """The reference with autograd (impl="torch"): it saves what the op saves (r, u, a) and
+    recomputes the forward's steps in the backward, as the backward kernel does."""
+
+    @staticmethod
+    def forward(ctx, r, u, a, eps):
+        ctx.save_for_backward(r, u, a)
+        ctx.eps = eps
+        return nag_update_fwd_torch(r, u, a, eps)
+
+    @staticmethod
+    def backward(ctx, grad_r_new, grad_log_gain):
+        r, u, a = ctx.saved_tensors
+        gr, gu, ga = nag_update_bwd_torch(r, u, a, grad_r_new, grad_log_gain, ctx.eps)
+        return gr, gu, ga.sum_to_size(a.shape).to(a.dtype), None  # a may be broadcast over rows
+
+
 def nag_update(r, u, a, eps=1e-6, impl="auto"):
     """The NAG write-back of a sublayer output u into the direction r (unit RMS) with tangent a.
     Returns the new direction and the log-gain 0.5 * log(1 + a^2) that the log-norm s gains."""
     if use_triton(impl, r):
         return nag_update_op(r, u, a, eps)
-    return nag_update_torch(r, u, a, eps)
+    return NAGUpdateTorch.apply(r, u, a, eps)
 
 
 # -----------------------------------------------------------------------------
@@ -586,71 +605,8 @@ def depth_attention_bwd_triton(sources: list[Tensor], query: Tensor, norm_weight
             (dqw * query.float()).to(norm_weight.dtype))
 
 
-def _source_stats(sources, query, norm_weight, eps):
-    """(qw, <v_s, qw> [S, ...], rho_s = 1 / rms(v_s) [S, ...]) in fp32, one pass over each source
-    for each statistic. Per source, not stacked: a stacked copy costs more than the op calls."""
-    qw = upcast(query) * upcast(norm_weight)
-    dots = torch.stack([upcast(v) @ qw for v in sources])
-    norms = torch.stack([torch.linalg.vector_norm(v, dim=-1, dtype=qw.dtype) for v in sources])
-    return qw, dots, torch.rsqrt(norms.square_().div_(qw.numel()).add_(eps))
-
-
-def depth_attention_fwd_torch(sources: list[Tensor], query: Tensor, norm_weight: Tensor,
-                              eps: float) -> tuple[Tensor, Tensor]:
-    """The reference forward: (mix, lse). Also the op's CPU implementation."""
-    with fp32_math(sources[0]):
-        sources = [v.contiguous() for v in sources]
-        qw, dots, rho = _source_stats(sources, query, norm_weight, eps)
-        z = dots * rho
-        lse = torch.logsumexp(z, dim=0)
-        w = torch.exp(z - lse).unsqueeze(-1)
-        mix = sources[0] * w[0]  # fp32: the weighted sum accumulates in fp32, one source at a time
-        for v, w_s in zip(sources[1:], w.unbind(0)[1:]):
-            mix = torch.addcmul(mix, v, w_s)  # not in place: DepthAttentionTorch returns it (see cast)
-        return cast(mix, sources[0].dtype), lse
-
-
-def depth_attention_bwd_torch(sources: list[Tensor], query: Tensor, norm_weight: Tensor, lse: Tensor,
-                              grad_mix: Tensor, eps: float) -> tuple[list[Tensor], Tensor, Tensor]:
-    """The reference backward, the kernel's formulas in PyTorch, one source at a time."""
-    with fp32_math(grad_mix):
-        sources = [v.contiguous() for v in sources]
-        qw, dots, rho = _source_stats(sources, query, norm_weight, eps)
-        w = torch.exp(dots * rho - lse)
-        g = upcast(grad_mix.contiguous())
-        g_v = torch.stack([torch.linalg.vecdot(upcast(v), g) for v in sources])  # <g, v_s>
-        gz = w * (g_v - (w * g_v).sum(0))  # through the softmax; <g, mix> = sum_s w_s <g, v_s>
-        c_q = gz * rho  # dz_s / d qw = rho_s v_s, dz_s / d v_s = rho_s qw - <v_s, qw> rho_s^3 v_s / d
-        c_v = c_q * dots * rho * rho / -qw.numel()
-        grads, dqw = [], torch.zeros_like(qw)
-        for v, w_s, cq_s, cv_s in zip(sources, w.unsqueeze(-1), c_q.unsqueeze(-1), c_v.unsqueeze(-1)):
-            dv = (g * w_s).addcmul_(cq_s, qw).addcmul_(v, cv_s)
-            grads.append(dv.to(v.dtype))
-            dqw.addmv_(upcast(v).reshape(-1, qw.numel()).T, cq_s.reshape(-1))
-        return grads, (dqw * upcast(norm_weight)).to(query.dtype), (dqw * upcast(query)).to(norm_weight.dtype)
-
-
-class DepthAttentionTorch(torch.autograd.Function):
-    """The reference (impl="torch"): forward and backward above, sources passed one by one so
-    that autograd saves them as they are (no stacked copy) and gives each its own gradient."""
-
-    @staticmethod
-    def forward(ctx, query, norm_weight, eps, *sources):
-        mix, lse = depth_attention_fwd_torch(list(sources), query, norm_weight, eps)
-        ctx.save_for_backward(query, norm_weight, lse, *sources)
-        ctx.eps = eps
-        return mix
-
-    @staticmethod
-    def backward(ctx, grad_mix):
-        query, norm_weight, lse, *sources = ctx.saved_tensors
-        grads, gq, gw = depth_attention_bwd_torch(sources, query, norm_weight, lse, grad_mix, ctx.eps)
-        return gq, gw, None, *grads
-
-
-depth_attention_op = custom_op("depth_attention", depth_attention_fwd_triton, depth_attention_fwd_torch)
-depth_attention_backward_op = custom_op("depth_attention_backward", depth_attention_bwd_triton,
-                                        depth_attention_bwd_torch)
+depth_attention_op = custom_op("depth_attention", depth_attention_fwd_triton)
+depth_attention_backward_op = custom_op("depth_attention_backward", depth_attention_bwd_triton)
 
 
 @depth_attention_op.register_fake
@@ -681,6 +637,73 @@ def _depth_attention_backward(ctx, grad_mix, _):
 depth_attention_op.register_autograd(_depth_attention_backward, setup_context=_depth_attention_setup)
 
 
+# the reference: the kernels' formulas in plain PyTorch, one source at a time
+
+def _source_stats(sources, query, norm_weight, eps):
+    """(qw, <v_s, qw> [S, ...], rho_s = 1 / rms(v_s) [S, ...]) in fp32, one pass over each source
+    for each statistic. Per source, not stacked: a stacked copy costs more than the op calls."""
+    qw = upcast(query) * upcast(norm_weight)
+    dots = torch.stack([upcast(v) @ qw for v in sources])
+    norms = torch.stack([torch.linalg.vector_norm(v, dim=-1, dtype=qw.dtype) for v in sources])
+    return qw, dots, torch.rsqrt(norms.square_().div_(qw.numel()).add_(eps))
+
+
+@depth_attention_op.register_kernel("cpu")
+def depth_attention_fwd_torch(sources: list[Tensor], query: Tensor, norm_weight: Tensor,
+                              eps: float) -> tuple[Tensor, Tensor]:
+    """(mix like a source, contiguous; lse [...] fp32)."""
+    with fp32_math(sources[0]):
+        sources = [v.contiguous() for v in sources]
+        qw, dots, rho = _source_stats(sources, query, norm_weight, eps)
+        z = dots * rho
+        lse = torch.logsumexp(z, dim=0)
+        w = torch.exp(z - lse).unsqueeze(-1)
+        mix = sources[0] * w[0]  # fp32: the weighted sum accumulates in fp32, one source at a time
+        for v, w_s in zip(sources[1:], w.unbind(0)[1:]):
+            mix = torch.addcmul(mix, v, w_s)  # not in place: DepthAttentionTorch returns it (see cast)
+        return cast(mix, sources[0].dtype), lse
+
+
+@depth_attention_backward_op.register_kernel("cpu")
+def depth_attention_bwd_torch(sources: list[Tensor], query: Tensor, norm_weight: Tensor, lse: Tensor,
+                              grad_mix: Tensor, eps: float) -> tuple[list[Tensor], Tensor, Tensor]:
+    """(a gradient per source, grad query, grad norm_weight)."""
+    with fp32_math(grad_mix):
+        sources = [v.contiguous() for v in sources]
+        qw, dots, rho = _source_stats(sources, query, norm_weight, eps)
+        w = torch.exp(dots * rho - lse)
+        g = upcast(grad_mix.contiguous())
+        g_v = torch.stack([torch.linalg.vecdot(upcast(v), g) for v in sources])  # <g, v_s>
+        gz = w * (g_v - (w * g_v).sum(0))  # through the softmax; <g, mix> = sum_s w_s <g, v_s>
+        c_q = gz * rho  # dz_s / d qw = rho_s v_s, dz_s / d v_s = rho_s qw - <v_s, qw> rho_s^3 v_s / d
+        c_v = c_q * dots * rho * rho / -qw.numel()
+        grads, dqw = [], torch.zeros_like(qw)
+        for v, w_s, cq_s, cv_s in zip(sources, w.unsqueeze(-1), c_q.unsqueeze(-1), c_v.unsqueeze(-1)):
+            dv = (g * w_s).addcmul_(cq_s, qw).addcmul_(v, cv_s)
+            grads.append(dv.to(v.dtype))
+            dqw.addmv_(upcast(v).reshape(-1, qw.numel()).T, cq_s.reshape(-1))
+        return grads, (dqw * upcast(norm_weight)).to(query.dtype), (dqw * upcast(query)).to(norm_weight.dtype)
+
+
+class DepthAttentionTorch(torch.autograd.Function):
+    """The reference with autograd (impl="torch"): it saves what the op saves (the sources, query,
+    norm_weight and lse); the sources are passed one by one so that autograd saves them as they are
+    (no stacked copy) and gives each its own gradient."""
+
+    @staticmethod
+    def forward(ctx, query, norm_weight, eps, *sources):
+        mix, lse = depth_attention_fwd_torch(list(sources), query, norm_weight, eps)
+        ctx.save_for_backward(query, norm_weight, lse, *sources)
+        ctx.eps = eps
+        return mix
+
+    @staticmethod
+    def backward(ctx, grad_mix):
+        query, norm_weight, lse, *sources = ctx.saved_tensors
+        grads, gq, gw = depth_attention_bwd_torch(sources, query, norm_weight, lse, grad_mix, ctx.eps)
+        return gq, gw, None, *grads
+
+
 def _source_list(sources):
     """The sources as a list (a stacked tensor: its views), checked to be alike."""
     sources = list(sources.unbind(0)) if isinstance(sources, Tensor) else list(sources)
@@ -694,27 +717,6 @@ def _source_list(sources):
     return sources
 
 
-def depth_scores(sources, query, norm_weight, eps=1e-6):
-    """z_s = <query, RMSNorm(v_s)>, fp32, [S, ...]; their softmax over S is the depth weights."""
-    sources = _source_list(sources)
-    with fp32_math(sources[0]):
-        _, dots, rho = _source_stats(sources, query, norm_weight, eps)
-        return dots * rho
-
-
-def depth_attention_torch(sources, query, norm_weight, eps=1e-6):
-    """The reference: scores, softmax over depth, and the weighted sum of the raw sources."""
-    return _depth_attention_reference(_source_list(sources), query, norm_weight, eps)
-
-
-def _depth_attention_reference(sources, query, norm_weight, eps):
-    if not torch.is_grad_enabled():
-        # nothing to save for a backward: the plain forward (Dynamo also failed to trace the
-        # autograd.Function in the model's compiled no-grad eval; test_compiled_eval_equals_eager)
-        return depth_attention_fwd_torch(sources, query, norm_weight, eps)[0]
-    return DepthAttentionTorch.apply(query, norm_weight, eps, *sources)
-
-
 def depth_attention(sources, query, norm_weight, eps=1e-6, impl="auto"):
     """sum_s softmax_s(<query, RMSNorm(sources_s)>) sources_s: a softmax over depth per token.
     sources: a list of S >= 1 tensors [..., d] of one shape and dtype, or one stacked [S, ..., d];
@@ -722,22 +724,8 @@ def depth_attention(sources, query, norm_weight, eps=1e-6, impl="auto"):
     sources = _source_list(sources)
     if use_triton(impl, sources[0]):
         return depth_attention_op(sources, query, norm_weight, eps)[0]
-    return _depth_attention_reference(sources, query, norm_weight, eps)
-
-
-# -----------------------------------------------------------------------------
-# the GPU path on CPU, for tests
-
-OPS = (rms_norm_op, rms_norm_backward_op, nag_update_op, nag_update_backward_op,
-       depth_attention_op, depth_attention_backward_op)
-
-
-@contextlib.contextmanager
-def triton_on_cpu():
-    """Inside: the ops' CPU implementations are off, so CPU tensors take the CUDA implementation,
-    the Triton launchers (run them under TRITON_INTERPRET=1). How the tests exercise the exact GPU
-    path, op and autograd glue included, on a machine without a GPU."""
-    with contextlib.ExitStack() as stack:
-        for op in OPS:
-            stack.enter_context(op.set_kernel_enabled("cpu", False))
-        yield
+    if not torch.is_grad_enabled():
+        # nothing to save for a backward: the reference's forward alone (Dynamo also failed to
+        # trace the autograd.Function in the model's compiled no-grad eval; test_compiled_eval_equals_eager)
+        return depth_attention_fwd_torch(sources, query, norm_weight, eps)[0]
+    return DepthAttentionTorch.apply(query, norm_weight, eps, *sources)

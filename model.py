@@ -1,20 +1,21 @@
 """
 nanodepth: one GPT whose residual stream is switchable.
 
-Read top to bottom: the config, the two sublayer kinds (attention, MLP), the residual
-modes (each one answers three questions: what a sublayer reads, how its output is written
-back, what the LM head reads), then the GPT that strings sublayers 1..2L through the
-chosen residual mode. The equations are in the docstrings; README.md's "The residual modes" and
-"Mixture-of-Depths" sections say what each mode is for and how to run it.
+Read top to bottom. The first part is a complete GPT with the default residual mode, prenorm: the
+config, the backbone (RMSNorm, RoPE, attention, MLP), the residual seam and PreNorm, then GPT. A
+reader of the default model can stop there. Then come the other residual modes (each one class that
+carries everything about itself: its options, the MoD modes it works with, the FLOPs it adds, the
+fused ops it uses), then Mixture-of-Depths, then the attention extras MoD and generation need.
+README.md's "The residual modes" and "Mixture-of-Depths" say what each mode is for.
 """
 
 import math
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field, make_dataclass
+from typing import Any, Optional
 
 import torch
-import torch.nn as nn
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels import IMPLS, depth_attention, fp32_math, nag_update, rms_norm, upcast
@@ -22,44 +23,22 @@ from kernels import IMPLS, depth_attention, fp32_math, nag_update, rms_norm, upc
 
 @dataclass
 class GPTConfig:
+    """The backbone's shape and the two mode switches. Each residual mode and MoD mode declares its
+    own options (its class's `options`), and they are fields of GPTConfig too (see the end of this
+    file): GPTConfig(residual="nag", nag_head="sqrt_d") and --nag_head=sqrt_d both work."""
     block_size: int = 1024  # context length T: tokens per training sequence, and the most a sample attends to
     vocab_size: int = 50257  # real vocab; see padded_vocab_size for the embedding and head rows
     n_layer: int = 12  # transformer blocks L: 2L sublayers (attention, MLP)
     n_head: int = 12  # attention heads; n_embd / n_head must be even (RoPE)
     n_embd: int = 768  # width d of the residual stream
     dropout: float = 0.0  # in training only (a run setting: resume may change it)
-    residual: str = "prenorm"  # prenorm | sandwich | nag | attnres | block_attnres
-    attnres_blocks: Optional[int] = None  # block_attnres: N in [1, L], blocks of ceil(L/N) layers; None: min(8, L)
-    # AttnRes ablations (paper §5.3), attnres and block_attnres; the defaults are the paper's method
-    attnres_query: str = "static"  # static: a learned pseudo-query per sublayer | input: projected from the stream
-    attnres_weights: str = "softmax"  # softmax over depth | sigmoid: an independent gate per source
-    attnres_key_norm: bool = True  # RMSNorm (learned weight) on the keys | False: raw sources as keys
-    nag_channels: int = 32  # nag: channels C of each sublayer's modulator
-    # nag head (NAG.head). cosine: logits = e^s cos(w_v, r), the reference code's (nag-nanochat; the paper's
-    # head text was not available) | sqrt_d: e^(s + g_dec) W_hat r / sqrt(d), a learned g_dec and sqrt(d)
-    # larger logits (this repo's earlier choice)
-    nag_head: str = "cosine"  # cosine (the reference's) | sqrt_d (this repo's earlier head): see above
-    nag_m_floor: float = 1e-6  # nag: the modulator's mixture is clamped >= this before ** beta (reference; 0: none)
-    kernels: str = "auto"  # auto (Triton on CUDA tensors) | triton | torch: see kernels.py
+    residual: str = "prenorm"  # the residual mode: prenorm | sandwich | nag | attnres | block_attnres
     mod: str = "none"  # Mixture-of-Depths: none | nag | router | skip_middle
     mod_rate: float = 0.0  # target fraction of (token, sublayer) pairs that skip the sublayer
-    skip_target: Optional[float] = None  # skip_middle: the innermost gate's mean target; None: 1 - 2 mod_rate
-    # skip_middle only: where log(g) enters attention. key: the paper's description (other tokens stop
-    # reading a token that skipped, so g = 0 tokens are gathered out exactly) | query: the published
-    # code (a row bias that softmax cancels; every token runs, masked)
-    skip_middle_gate_axis: str = "key"  # key (the paper's description) | query (the published code): see above
-    # mod=router only (Raposo et al., arXiv 2404.02258). The paper's whole recipe (every other block at
-    # 12.5% capacity) is config/mod_router_paper.py; mod_every=1 stays the default so that mod_rate
-    # spans [0, 1) as for the other MoD modes (README, "Fidelity")
-    mod_layout: str = "block"  # block: attention + MLP share a route (Eq. 1) | sublayer: each routes alone
-    mod_every: int = 1  # route every k-th block (blocks 0, k, 2k, ..), the others dense; mod_rate stays overall
-    router_weight: str = "raw"  # kept writes scaled by the raw score r (Eq. 1) | sigmoid(r)
-    mod_inference: str = "predictor"  # eval routing: predictor (the paper's MLP) | threshold (score >= tau)
+    kernels: str = "auto"  # auto (Triton on CUDA tensors) | triton | torch: see kernels.py
 
     def __post_init__(self):
         # one-line errors that name the fix; called again by GPT() after any field edits
-        if self.residual not in RESIDUALS:
-            raise ValueError(f"unknown residual '{self.residual}'; valid: {', '.join(RESIDUALS)}")
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -67,123 +46,17 @@ class GPTConfig:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if (self.n_embd // self.n_head) % 2 != 0:
             raise ValueError(f"head size n_embd/n_head = {self.n_embd // self.n_head} must be even for RoPE")
-        self._check_attnres()
-        self._check_nag()
-        self._check_mode_options()
         if self.kernels not in IMPLS:
             raise ValueError(f"unknown kernels '{self.kernels}'; valid: {', '.join(IMPLS)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        self._check_mod()
-
-    def _check_attnres(self):
-        if self.residual == "block_attnres" and self.attnres_blocks is not None and not (
-                type(self.attnres_blocks) is int and 1 <= self.attnres_blocks <= self.n_layer):
-            raise ValueError(f"attnres_blocks must be an integer in [1, n_layer = {self.n_layer}] (blocks are whole "
-                             f"layers; None for min(8, n_layer)), got {self.attnres_blocks!r}")
-
-    def _check_mode_options(self):
-        for name, (valid, key, modes) in MODE_OPTIONS.items():
-            value, default = getattr(self, name), GPTConfig.__dataclass_fields__[name].default
-            if valid is not None and (value not in valid or type(value) is not type(valid[0])):
-                raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(map(str, valid))}")
-            if value != default and getattr(self, key) not in modes:
-                raise ValueError(f"{name}={value} only applies to {key}={' or '.join(modes)}; "
-                                 f"remove --{name} or set --{key}={modes[-1]}")
-
-    def _check_nag(self):
-        if self.nag_channels < 1:
-            raise ValueError(f"nag_channels must be >= 1, got {self.nag_channels}")
-        if not 0.0 <= self.nag_m_floor < 1.0:
-            raise ValueError(f"nag_m_floor must be in [0, 1), got {self.nag_m_floor}")
-
-    def _check_mod(self):
-        if self.mod not in MODS:
-            raise ValueError(f"unknown mod '{self.mod}'; valid: {', '.join(MODS)}")
         if not 0.0 <= self.mod_rate < 1.0:
             raise ValueError(f"mod_rate must be in [0, 1), got {self.mod_rate}")
-        if self.mod == "none" and self.mod_rate > 0:
-            raise ValueError(f"mod_rate={self.mod_rate} needs a mod: set --mod=nag (residual nag), "
-                             f"router (prenorm, sandwich, attnres, block_attnres) or skip_middle (sandwich)")
-        needs = {"nag": ("nag",), "router": ("prenorm", "sandwich", "attnres", "block_attnres"),
-                 "skip_middle": ("sandwich",)}.get(self.mod, RESIDUALS)
-        if self.residual not in needs:
-            fix = "use mod=nag: nag routes by its own modulator" if self.residual == "nag" else \
-                f"use residual={' or '.join(needs)}"
-            raise ValueError(f"mod={self.mod} does not work with residual={self.residual}; {fix}")
-        if self.mod == "skip_middle" and self.n_layer % 2:
-            raise ValueError(f"mod=skip_middle pairs block i with block L-1-i: n_layer must be even, "
-                             f"got {self.n_layer}")
-        if self.skip_target is not None:
-            if self.mod != "skip_middle":
-                raise ValueError("skip_target only applies to mod=skip_middle; remove it or set --mod=skip_middle")
-            if not 0.0 <= self.skip_target <= 1.0:
-                raise ValueError(f"skip_target must be in [0, 1], got {self.skip_target}")
-        if isinstance(self.mod_every, bool) or not isinstance(self.mod_every, int) or self.mod_every < 1:
-            raise ValueError(f"mod_every must be an integer >= 1 (route every k-th block), got {self.mod_every!r}")
-        if self.mod_skip >= 1.0:
-            blocks = len(self.mod_routed) // 2
-            raise ValueError(f"mod_rate={self.mod_rate} cannot be skipped by the {blocks} of {self.n_layer} blocks "
-                             f"that mod_every={self.mod_every} routes: use mod_rate < {blocks / self.n_layer:.4g} "
-                             f"or a smaller mod_every")
+        check_modes(self)  # the modes and their options, from the modes' own declarations (end of file)
 
     @property
     def n_sublayers(self):
         return 2 * self.n_layer
-
-    @property
-    def attnres_layers_per_block(self):
-        """block_attnres: k = ceil(L / N) whole layers per block (N = attnres_blocks, default min(8, L)).
-        Boundaries fall before every k-th layer, as the reference's `layer % k == 0`; the last block
-        keeps the layers that remain, so it may be shorter."""
-        return -(-self.n_layer // (self.attnres_blocks or min(8, self.n_layer)))
-
-    def ends_depth_block(self, l):
-        """attnres / block_attnres: whether sublayer l (0-based) closes a block, i.e. its block becomes
-        a finished source. attnres: every sublayer is its own source. block_attnres: the MLP of every
-        k-th layer, and the last one (a boundary never splits a layer's attention from its MLP)."""
-        if self.residual == "attnres":
-            return True
-        layer = l // 2
-        return l % 2 == 1 and ((layer + 1) % self.attnres_layers_per_block == 0 or layer + 1 == self.n_layer)
-
-    @property
-    def attnres_blocks_used(self):
-        """attnres / block_attnres: the blocks actually used, besides the embedding b_0: ceil(L / k),
-        which is N when N divides L and may be fewer (L = 12, N = 8: k = 2, 6 blocks); attnres: 2L."""
-        if self.residual not in ("attnres", "block_attnres"):
-            return None
-        return sum(self.ends_depth_block(l) for l in range(self.n_sublayers))
-
-    @property
-    def mod_routed(self):
-        """The sublayers a top-k MoD (nag, router) routes: both of every mod_every-th block (blocks 0, k,
-        2k, ..); the others run dense."""
-        if self.mod not in ("nag", "router"):
-            return ()
-        return tuple(l for l in range(self.n_sublayers) if (l // 2) % self.mod_every == 0)
-
-    @property
-    def mod_skip(self):
-        """The fraction of tokens each routed sublayer skips: mod_rate x (sublayers / routed sublayers), so
-        the model as a whole skips mod_rate of its (token, sublayer) pairs whatever mod_every is. The
-        paper's 12.5% capacity in every other block is mod_every=2, mod_rate=0.4375 (even n_layer)."""
-        return self.mod_rate * self.n_sublayers / (len(self.mod_routed) or self.n_sublayers)
-
-    @property
-    def mod_keep(self):
-        """Training capacity of a top-k routed sublayer: the fraction of tokens kept, k / T."""
-        return capacity(self.block_size, self.mod_skip) / self.block_size
-
-    @property
-    def n_routers(self):
-        """mod=router: router scores per token, one per routed sublayer (layout block: per routed block)."""
-        return len(self.mod_routed) // (2 if self.mod_layout == "block" else 1)
-
-    @property
-    def predictor_width(self):
-        """mod_inference=predictor: the hidden width of each routing predictor MLP."""
-        return max(8, self.n_embd // 8)
 
     @property
     def padded_vocab_size(self):
@@ -195,7 +68,7 @@ class GPTConfig:
 
 
 # -----------------------------------------------------------------------------
-# building blocks
+# the backbone: RMSNorm, RoPE, attention, MLP
 
 class RMSNorm(nn.Module):
     def __init__(self, dim, impl="auto", eps=1e-6):
@@ -221,9 +94,13 @@ def apply_rope(x, rope):
     than the real form. Compiled: the real form, because inductor has no code generation for complex ops."""
     rope = rope.view(*rope.shape[:-2], *([1] * (x.dim() - 3)), *rope.shape[-2:])
     if torch.compiler.is_compiling():
-        pairs = x.float().reshape(*x.shape[:-1], -1, 2)
-        return _rotate_real(pairs, rope).flatten(-2).type_as(x)
+        return _rotate_real(x.float().reshape(*x.shape[:-1], -1, 2), rope).flatten(-2).type_as(x)
     return RotateComplex.apply(x, rope)
+
+
+def _rotate_real(pairs, rope):
+    (a, b), (cos, sin) = pairs.unbind(-1), rope.unbind(-1)
+    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1)
 
 
 class RotateComplex(torch.autograd.Function):
@@ -233,65 +110,18 @@ class RotateComplex(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, rope):
         ctx.save_for_backward(rope)
-        return _rotate_complex(x, rope, conj=False)
+        return RotateComplex.rotate(x, rope, conj=False)
 
     @staticmethod
     def backward(ctx, grad):
         rope, = ctx.saved_tensors
-        return _rotate_complex(grad, rope, conj=True), None
+        return RotateComplex.rotate(grad, rope, conj=True), None
 
-
-def _rotate_complex(x, rope, conj):
-    c = torch.view_as_complex(rope.contiguous())
-    pairs = torch.view_as_complex(upcast(x).reshape(*x.shape[:-1], -1, 2).contiguous())
-    return torch.view_as_real(pairs * (c.conj() if conj else c)).flatten(-2).type_as(x)
-
-
-def _rotate_real(pairs, rope):
-    (a, b), (cos, sin) = pairs.unbind(-1), rope.unbind(-1)
-    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1)
-
-
-class KVCache:
-    """Keys and values of the tokens that ran one attention sublayer, for generation. Under MoD the
-    rows of a batch keep different tokens, so every slot has an additive bias per row: 0 for a key,
-    -inf where that row did not run the token (skip_middle: the key's log-gate). unbiased: no slot
-    so far was given a bias (every bias 0), so attention needs no mask beyond causality."""
-
-    def __init__(self, size):
-        self.size, self.n, self.k, self.unbiased = size, 0, None, True
-
-    def append(self, k, v, bias):
-        """Add t slots (k, v [B, nh, t, hd], bias [B, t], None: 0); return every slot so far."""
-        if bias is None:
-            bias = k.new_zeros(k.size(0), k.size(2), dtype=torch.float32)
-        else:
-            self.unbiased = False
-        B, nh, t, hd = k.shape
-        if self.k is None:
-            self.k, self.v = k.new_zeros(B, nh, self.size, hd), v.new_zeros(B, nh, self.size, hd)
-            self.bias = bias.new_full((B, self.size), float("-inf"))
-        if self.n + t > self.size:
-            raise RuntimeError(f"KV cache full ({self.size} slots): restart it")
-        self.k[:, :, self.n:self.n + t], self.v[:, :, self.n:self.n + t] = k, v
-        self.bias[:, self.n:self.n + t] = bias
-        self.n += t
-        return self.k[:, :, :self.n], self.v[:, :, :self.n], self.bias[:, :self.n]
-
-
-def attention_mask(bias, t, query_bias=None):
-    """Additive mask [B, 1, t, n] for the last t of n keys as queries: causal, plus each key's bias
-    [B, n] (and, if given, each query's bias [B, t] along its row). A query always sees itself: a
-    token that runs the sublayer has a finite bias anyway, and padding (or a soft-path token with
-    gate 0, whose output is discarded) must not get a row of -inf, whose softmax is NaN."""
-    n = bias.size(1)
-    q = torch.arange(n - t, n, device=bias.device)[:, None]
-    k = torch.arange(n, device=bias.device)[None, :]
-    mask = torch.where(k <= q, bias[:, None, :], float("-inf"))
-    mask = torch.where(k == q, mask.clamp(min=math.log(GATE_FLOOR)), mask)
-    if query_bias is not None:  # one constant per row: softmax cancels it (skip_middle_gate_axis=query)
-        mask = mask + query_bias[:, :, None]
-    return mask[:, None]
+    @staticmethod
+    def rotate(x, rope, conj):
+        c = torch.view_as_complex(rope.contiguous())
+        pairs = torch.view_as_complex(upcast(x).reshape(*x.shape[:-1], -1, 2).contiguous())
+        return torch.view_as_real(pairs * (c.conj() if conj else c)).flatten(-2).type_as(x)
 
 
 class CausalSelfAttention(nn.Module):
@@ -303,24 +133,16 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, rope, key_bias=None, query_bias=None, cache=None):
-        """x [B, T, C] in order; key_bias [B, T] is added to the scores of each token as a key
-        (skip_middle's gated attention), query_bias [B, T] to those of each token as a query (the
-        published skip_middle code's axis); cache: a KVCache the T tokens are appended to."""
+    def forward(self, x, rope, visibility=None):
+        """x [B, T, C] in order. visibility (MoD and generation, see Visibility): which keys each
+        query sees beyond causality, and the KV cache; None: plain causal attention."""
         B, T, C = x.size()
         qk, v = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).split((2, 1), dim=2)
         q, k = apply_rope(qk, rope).unbind(2)  # q and k rotated together: one op instead of two
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.squeeze(2).transpose(1, 2)  # [B, nh, T, hd]
         mask, causal = None, True
-        if cache is not None:
-            k, v, bias = cache.append(k, v, key_bias)
-            if cache.unbiased and query_bias is None and (T == 1 or cache.n == T):
-                causal = T > 1  # one new token sees every cached key; a first window is plainly causal
-            else:
-                mask = attention_mask(bias, T, query_bias)
-        elif key_bias is not None or query_bias is not None:
-            bias = key_bias if key_bias is not None else q.new_zeros(B, T, dtype=torch.float32)
-            mask = attention_mask(bias, T, query_bias)
+        if visibility is not None:
+            k, v, mask, causal = visibility.keys(k, v)
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=None if mask is None else mask.to(q.dtype),
             dropout_p=self.dropout if self.training else 0.0, is_causal=mask is None and causal)
@@ -335,26 +157,63 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, rope=None, key_bias=None, query_bias=None, cache=None):
+    def forward(self, x):
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
 
 
 # -----------------------------------------------------------------------------
-# residual modes: the only place where the modes differ.
-# Each is a module holding the mode's own parameters, with four methods:
-#   embed(e)              -> state    the stream built from the token embedding
-#   read(state, l)        -> tensor   what sublayer l (0-based here) takes as input
-#   write(state, l, out)  -> state    how sublayer l's output goes back into the stream
-#   head(state, lm_head)  -> logits
-#   write_kept(state, l, out, route) -> state   write-back of a Mixture-of-Depths sublayer that ran
-#                         only the tokens of `route`; every other token's stream is left exactly as is
-#   skip(state, l)        -> state    the same when no token ran sublayer l
-# and, for diagnostics, value(state, l) -> the stream as sublayer l sees it (l = 2L: as the head
-# sees it), plus stats(state, l) -> mode-specific figures.
+# the residual seam: the only place where the residual modes differ
 
-class PreNorm(nn.Module):
+class Residual(nn.Module):
+    """A residual mode: how the stream is built, what each sublayer reads, how its output is written
+    back, what the LM head reads. GPT calls (l = 0..2L-1 is the sublayer, state the stream: a tensor,
+    or whatever the mode keeps):
+      embed(e) -> state                   the stream from the token embedding e
+      read(state, l) -> x                 what sublayer l takes as input
+      write(state, l, out) -> state       sublayer l's output written back
+      head(state, lm_head) -> logits
+      write_kept(state, l, out, route)    Mixture-of-Depths: the write of a sublayer that ran only the
+                                          tokens of `route`; every other token's stream is left as is
+      skip(state, l) -> state             the same when no token ran sublayer l
+      value(state, l) -> x                diagnostics: the stream as sublayer l sees it (l = 2L: the head)
+      stats(state, l) -> dict             diagnostics: the mode's own figures
+    and it declares, next to its code:
+      options        its GPTConfig keys: name=default, or name=(valid values, the default first)
+      mods           the MoD modes it works with (besides none)
+      ops            the fused custom ops (nanodepth::...) its forward uses
+      embed_std      the token embedding's init std
+      flops(config)  the forward FLOPs per token it adds beyond the backbone, by name; every registered
+                     class defines its own (flops.py refuses to guess); vector_flops names the terms
+                     that are not matmuls
+      check(config)  its own checks of its options: one-line errors that name the fix
+      no_decay_parameters()  its parameters that take no weight decay (norms and scalars never do)
+    A new mode is a subclass and one line in RESIDUALS."""
+    options, mods, ops, vector_flops, embed_std = {}, (), (), (), 0.02
+
+    @staticmethod
+    def check(config):
+        pass
+
+    def no_decay_parameters(self):
+        return []
+
+    def skip(self, state, l):
+        return state
+
+    def value(self, state, l):
+        return state
+
+    def stats(self, state, l):
+        return {}
+
+
+class PreNorm(Residual):
     """nanoGPT's baseline: x = x + f(RMSNorm(x)); the head reads RMSNorm(x)."""
-    embed_std = 0.02
+    mods, ops = ("router",), ("rms_norm",)
+
+    @staticmethod
+    def flops(config):
+        return {}  # norms are not counted
 
     def __init__(self, config):
         super().__init__()
@@ -376,22 +235,251 @@ class PreNorm(nn.Module):
     def write_kept(self, x, l, out, route):
         return route.scatter_add(x, route.weigh(self.delta(l, out)))
 
-    def skip(self, x, l):
-        return x
-
     def head(self, x, lm_head):
         return lm_head(self.norm_f(x))
 
-    def value(self, x, l):
-        return x
 
-    def stats(self, x, l):
-        return {}
+# -----------------------------------------------------------------------------
+# the model
 
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        config.__post_init__()
+        self.config = config
+        V, d = config.padded_vocab_size, config.n_embd
+        self.wte = nn.Embedding(V, d)
+        self.drop = nn.Dropout(config.dropout)
+        # sublayers l = 0..2L-1 alternate attention and MLP (the README numbers them 1..2L)
+        self.sublayers = nn.ModuleList(
+            CausalSelfAttention(config) if l % 2 == 0 else MLP(config) for l in range(config.n_sublayers))
+        self.stream = RESIDUALS[config.residual](config)
+        self.mod = MODS[config.mod](config) if MODS[config.mod] else None
+        self.lm_head = nn.Linear(d, V, bias=False)
+        self.register_buffer("rope", rope_table(d // config.n_head, config.block_size), persistent=False)
+
+        self.apply(self._init_weights)
+        # scaled init of each sublayer's output projection (GPT-2 / nanoGPT)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(config.n_sublayers))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=self.stream.embed_std)
+
+    def get_num_params(self, non_embedding=True):
+        """Parameter count. The token embedding is a lookup (no FLOPs), so non_embedding leaves
+        it out; the untied LM head is a real matmul and stays in."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.wte.weight.numel()
+        return n
+
+    def forward(self, idx, targets=None):
+        B, T = idx.size()
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        ctx = self._context(B * T, update_tau=self.training)
+        state = self.stream.embed(self.drop(self.wte(idx)))
+        for l in range(len(self.sublayers)):
+            state = self._sublayer(state, l, ctx)
+        self._finish(ctx)
+        if targets is None:
+            # inference: only the last position's logits are needed
+            state = _last_position(state)
+        logits = self.stream.head(state, self.lm_head)[..., :self.config.vocab_size]
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
+                                   ignore_index=-1)
+            aux = self.mod.aux_loss(ctx) if self.training and self.mod is not None else None
+            if aux is not None:  # skip_middle's sparsity penalty; the router predictors' BCE (value 0)
+                loss = loss + aux
+        return logits, loss
+
+    def _sublayer(self, state, l, ctx):
+        """Run sublayer l on the tokens the MoD mode routes to it (all of them without MoD) and write
+        its output back into the stream."""
+        x = self.stream.read(state, l)
+        route = self.mod.route(self.stream, state, x, l, ctx) if self.mod is not None else None
+        if "routes" in ctx:  # routing() records them
+            ctx["routes"][l] = route
+        if route is None:
+            return self.stream.write(state, l, self._run(l, x, None, ctx))
+        ctx["executed"][l] = route.executed
+        if route.idx is not None and route.idx.size(1) == 0:
+            return self.stream.skip(state, l)  # nobody runs this sublayer
+        return self.stream.write_kept(state, l, self._run(l, route.gather(x), route, ctx), route)
+
+    def _run(self, l, x, route, ctx):
+        """Sublayer l on x. The MLP takes x alone; attention takes the RoPE rows of x's positions and,
+        under MoD or with KV caches, the Visibility of its keys."""
+        if l % 2:
+            return self.sublayers[l](x)
+        pos, cache = ctx["pos"], ctx["caches"] and ctx["caches"][l]
+        rope = self.rope[pos:pos + x.size(1)] if route is None or route.idx is None else self.rope[pos + route.idx]
+        return self.sublayers[l](x, rope, Visibility.of(route, cache))
+
+    def _context(self, tokens, update_tau=False, pos=0, caches=None):
+        """What one forward pass carries besides the stream: the first position (generation),
+        the KV caches, routing state, and the tokens each sublayer ran (executed)."""
+        return {"tokens": tokens, "pos": pos, "caches": caches, "update_tau": update_tau,
+                "executed": [tokens] * len(self.sublayers)}
+
+    def _finish(self, ctx):
+        self.last_executed = ctx["executed"]  # per sublayer: tokens run (ints, or 0-d tensors)
+        self.last_tokens = ctx["tokens"]
+
+    def executed_fraction(self):
+        """Per sublayer, the fraction of tokens that ran it in the last forward pass."""
+        return [float(e) / self.last_tokens for e in self.last_executed]
+
+    @torch.no_grad()
+    def diagnostics(self, idx):
+        """Per sublayer l: the RMS of the stream entering it (nag: e^s), the relative size of its update
+        ||x_{l+1} - x_l|| / ||x_l||, the fraction of tokens that ran it (MoD, under the model's current
+        train or eval routing), and the mode's own figures (its stats(): nag's gate health, attnres's
+        depth weights). For attnres the "stream" is the depth mix a sublayer reads."""
+        B, T = idx.shape
+        ctx = self._context(B * T)
+        state = self.stream.embed(self.wte(idx))
+        rows = []
+        for l in range(len(self.sublayers)):
+            x_in = self.stream.value(state, l).float()
+            row = {"sublayer": l + 1, "kind": "attn" if l % 2 == 0 else "mlp",
+                   "rms": x_in.square().mean().sqrt().item()}
+            row.update(self.stream.stats(state, l))
+            state = self._sublayer(state, l, ctx)
+            x_out = self.stream.value(state, l + 1).float()
+            row["update"] = ((x_out - x_in).norm(dim=-1) / x_in.norm(dim=-1)).mean().item()
+            row["executed"] = float(ctx["executed"][l]) / (B * T)
+            rows.append(row)
+        head = self.stream.value(state, len(self.sublayers)).float()
+        rows.append({"sublayer": len(self.sublayers) + 1, "kind": "head", "rms": head.square().mean().sqrt().item(),
+                     **self.stream.stats(state, len(self.sublayers))})
+        if any("dead" in row for row in rows):  # nag: how many branches are dead
+            rows[-1]["dead"] = sum(row.get("dead", 0.0) for row in rows[:-1])
+        return rows
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, gate_lr_scale=1.0, gate_decay=False):
+        # weight decay on matrices and embeddings (>= 2-D); none on norms, gains and scalars, nor on what
+        # a mode lists in no_decay_parameters(). gate_lr_scale != 1 (a mode with gate_parameters(), nag):
+        # the gates get a group of their own, without decay, whose "lr_scale" train.py multiplies the
+        # scheduled LR by; gate_decay=True decays the gates' matrices (an ablation)
+        if (gate_lr_scale != 1.0 or gate_decay) and not hasattr(self.stream, "gate_parameters"):
+            raise ValueError(f"gate_lr_scale={gate_lr_scale}, gate_decay={gate_decay} only apply to residual=nag")
+        if gate_lr_scale != 1.0 and gate_decay:
+            raise ValueError("gate_decay=True needs gate_lr_scale=1: the gate group has no decay")
+        gates = self.stream.gate_parameters() if gate_lr_scale != 1.0 else []
+        exempt = {id(p) for part in (self.stream, self.mod) if part is not None for p in part.no_decay_parameters()}
+        if gate_decay:
+            exempt -= {id(p) for p in self.stream.gate_parameters()}
+        params = [p for p in self.parameters() if p.requires_grad and all(p is not g for g in gates)]
+        decay = [p for p in params if p.dim() >= 2 and id(p) not in exempt]
+        no_decay = [p for p in params if p.dim() < 2 or id(p) in exempt]
+        groups = [{"params": decay, "weight_decay": weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        if gates:
+            groups.append({"params": gates, "weight_decay": 0.0, "lr": learning_rate * gate_lr_scale,
+                           "lr_scale": gate_lr_scale})
+        # fused on every device (CPU too): the fastest AdamW, and the one that can skip a step on the
+        # device when handed found_inf (train.py's non-finite-step skip)
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
+
+    @torch.no_grad()
+    def after_step(self, skipped=None):
+        """Call after each optimiser step. skipped: a 0-d device tensor, > 0 when the step was skipped
+        (non-finite gradients); a mode's own update then keeps its state. Modes with such an update
+        (skip_middle's sparsity controller) all-reduce their statistics over DDP ranks inside."""
+        for part in (self.stream, self.mod):
+            if hasattr(part, "after_step"):
+                part.after_step(skipped)
+
+    def set_warmup(self, scale):
+        """A mode's warm-up scale in [0, 1], set before each iteration (nag: alpha's token warm-up)."""
+        if hasattr(self.stream, "set_warmup"):
+            self.stream.set_warmup(scale)
+
+    @property
+    def unused_parameters(self):
+        """Whether a training step may leave some parameters without a gradient (DDP must be told)."""
+        return getattr(self.mod, "unused_parameters", False)
+
+    def describe(self):
+        """One line: the modes and the shape, for train.py's banner."""
+        c = self.config
+        mod = f" + mod={c.mod} at mod_rate {c.mod_rate:g}" if c.mod != "none" else ""
+        extra = self.stream.describe() if hasattr(self.stream, "describe") else ""
+        return f"{c.residual}{mod}: {c.n_layer} layers{extra}, {c.n_embd} wide"
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, kv_cache=True):
+        """Sample max_new_tokens after idx (LongTensor [B, T]). With kv_cache, each new token runs
+        alone through the sublayers it is routed to, against caches that hold only the tokens each
+        attention sublayer ran; when a cache fills up (block_size positions) it restarts from the
+        last block_size / 2 tokens. Without it, every step recomputes the context cropped to
+        block_size. self.generate_stats counts, per sublayer, the tokens that ran it."""
+        executed, n = [0] * len(self.sublayers), 0
+        caches, pos = None, 0
+        for _ in range(max_new_tokens):
+            if not kv_cache:
+                idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
+                logits, _ = self(idx_cond)
+                step = idx_cond.numel()
+            elif caches is None or pos == self.config.block_size:
+                window = idx[:, -(self.config.block_size if caches is None else self.config.block_size // 2):]
+                caches = [KVCache(self.config.block_size) if l % 2 == 0 else None for l in range(len(self.sublayers))]
+                logits, pos, step = self._step(window, caches, 0), window.size(1), window.numel()
+            else:
+                logits, pos, step = self._step(idx[:, -1:], caches, pos), pos + 1, idx.size(0)
+            executed, n = [a + float(b) for a, b in zip(executed, self.last_executed)], n + step
+            logits = logits[:, -1, :]
+            if temperature == 0:
+                idx_next = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                    logits[logits < v[:, [-1]]] = -float("inf")
+                idx_next = torch.multinomial(F.softmax(logits.float(), dim=-1), num_samples=1)
+            idx = torch.cat((idx, idx_next), dim=1)
+        self.generate_stats = {"executed": executed, "tokens": n}
+        return idx
+
+    def _step(self, idx, caches, pos):
+        """Logits of the last of the tokens idx [B, t] at positions pos.., appended to the caches."""
+        ctx = self._context(idx.numel(), pos=pos, caches=caches)
+        state = self.stream.embed(self.wte(idx))
+        for l in range(len(self.sublayers)):
+            state = self._sublayer(state, l, ctx)
+        self._finish(ctx)
+        return self.stream.head(_last_position(state), self.lm_head)[..., :self.config.vocab_size]
+
+
+def _last_position(state):
+    """Keep only the last token of every tensor in a stream state (a tensor or a tuple/list of them)."""
+    if state is None or torch.is_tensor(state):
+        return state if state is None else state[:, [-1]]
+    return type(state)(_last_position(s) for s in state)
+
+
+# -----------------------------------------------------------------------------
+# the other residual modes
 
 class Sandwich(PreNorm):
     """peri-LN: the embedding and every sublayer output are normalised too:
     x0 = RMSNorm(e); x = x + RMSNorm_post(f(RMSNorm_pre(x)))."""
+    mods = ("router", "skip_middle")
+
+    @staticmethod
+    def flops(config):
+        return {}  # norms are not counted
 
     def __init__(self, config):
         super().__init__(config)
@@ -409,7 +497,6 @@ class Modulator(nn.Module):
     """m(r) = max(p, floor) ** beta with p = sum_i softmax(c)_i sigmoid(<r, w_i> + b_i), in [0, 1]: how far
     a sublayer may rotate each token. The floor (nag_m_floor, 1e-6 as in nag-nanochat) keeps the
     gradient of p ** beta finite where a sigmoid underflows to p = 0 (beta < 1: infinite, NaN)."""
-    no_decay = True  # configure_optimizers: no weight decay on w, as nag-nanochat's gate group
 
     def __init__(self, dim, channels, floor=1e-6):
         super().__init__()
@@ -428,11 +515,28 @@ class Modulator(nn.Module):
         return self.mixture(r) ** F.softplus(upcast(self.beta_raw))
 
 
-class NAG(nn.Module):
+class NAG(Residual):
     """Norm-agnostic residual: the stream is a unit-RMS direction r and a log-norm s per token
     (x = e^s r). Sublayers only rotate r, by arctan(a) with a = alpha_l m_l(r); s only grows."""
+    options = dict(
+        nag_channels=32,  # nag: channels C of each sublayer's modulator
+        nag_head=("cosine", "sqrt_d"),  # nag: cosine: logits e^s cos(w_v, r) (nag-nanochat's) | sqrt_d: e^(s + g_dec) W_hat r / sqrt(d)
+        nag_m_floor=1e-6,  # nag: the modulator's mixture is clamped >= this before ** beta (nag-nanochat's; 0: none)
+    )
+    mods, ops = ("nag",), ("nag_update",)
     embed_std = 1.0  # so e^s starts near 1; with 0.02 the logits would start 50x too small
     floor_at, dead_below = 1e-6, 0.05  # diagnostics, nag-nanochat's gate health: p at the floor; mean |a| of a dead branch
+
+    @staticmethod
+    def flops(config):
+        return {"nag_modulator": 2 * config.nag_channels * config.n_embd * config.n_sublayers}
+
+    @staticmethod
+    def check(config):
+        if config.nag_channels < 1:
+            raise ValueError(f"nag_channels must be >= 1, got {config.nag_channels}")
+        if not 0.0 <= config.nag_m_floor < 1.0:
+            raise ValueError(f"nag_m_floor must be in [0, 1), got {config.nag_m_floor}")
 
     def __init__(self, config):
         super().__init__()
@@ -446,9 +550,19 @@ class NAG(nn.Module):
         else:
             self.register_buffer("g_dec", torch.zeros(()), persistent=False)
         self.head_divisor = math.sqrt(d) if config.nag_head == "sqrt_d" else d
-        # alpha warm-up (train.py's nag_alpha_warmup_tokens sets it every iteration): a = scale alpha_l m_l
+        # alpha warm-up (set_warmup, from train.py's nag_alpha_warmup_tokens): a = scale alpha_l m_l
         self.register_buffer("alpha_scale", torch.ones(()), persistent=False)
         self.impl = config.kernels
+
+    def no_decay_parameters(self):
+        return list(self.modulators.parameters())  # as nag-nanochat's gate group
+
+    def gate_parameters(self):
+        """nag-nanochat's gate group (nag_gate_lr_scale): alpha and every modulator's w, b, c, beta."""
+        return [self.alpha, *self.modulators.parameters()]
+
+    def set_warmup(self, scale):
+        self.alpha_scale.fill_(scale)  # on the device, no host read
 
     def embed(self, e):
         e = upcast(e)
@@ -474,9 +588,6 @@ class NAG(nn.Module):
         r_new, log_gain = nag_update(r_k, out, route.score, impl=self.impl)
         return route.scatter(r, route.keep(r_new, r_k)), route.scatter(s, route.keep(s_k + log_gain, s_k))
 
-    def skip(self, state, l):
-        return state
-
     def head(self, state, lm_head):
         r, s = state
         w = lm_head.weight
@@ -487,13 +598,6 @@ class NAG(nn.Module):
     def value(self, state, l):
         r, s = state
         return torch.exp(s) * r
-
-    def set_warmup(self, scale):
-        self.alpha_scale.fill_(scale)  # on the device, no host read
-
-    def gate_parameters(self):
-        """nag-nanochat's gate group (nag_gate_lr_scale): alpha and every modulator's w, b, c, beta."""
-        return [self.alpha, *self.modulators.parameters()]
 
     def stats(self, state, l):
         if l >= len(self.modulators):
@@ -508,26 +612,56 @@ class NAG(nn.Module):
                 "gain": gain, "floor": floor, "dead": float(gain < self.dead_below)}
 
 
-class BlockAttnRes(nn.Module):
+class AttnRes(Residual):
     """Attention Residuals (Chen et al. 2026): each sublayer reads an attention over depth instead of
     a running sum. The sources are b_0 = the embedding (never summed into a block), then one per
-    block: b_n, the sum of the raw outputs of block n's sublayers. block_attnres: blocks of
-    k = ceil(L / N) whole layers (GPTConfig.ends_depth_block); attnres: every sublayer is a block.
-    Sublayer l reads h_l = sum_i alpha_i v_i over the finished blocks and the running partial sum of
-    its own block, alpha = softmax_i(<q_l, RMSNorm_l(v_i)>), through its own pre-norm; the head mixes
-    all blocks with one more query, then RMSNorm. The ablations of the paper's §5.3 swap one piece:
+    block: b_n, the sum of the raw outputs of block n's sublayers. attnres: every sublayer is a block
+    (BlockAttnRes: blocks of whole layers). Sublayer l reads h_l = sum_i alpha_i v_i over the finished
+    blocks and the running partial sum of its own block, alpha = softmax_i(<q_l, RMSNorm_l(v_i)>),
+    through its own pre-norm; the head mixes all blocks with one more query, then RMSNorm. The
+    ablations of the paper's §5.3 swap one piece:
       attnres_query="input":     q_l = W_l RMSNorm(latest source) (the partial sum, or the block just
                                  finished), W_l [d, d] init 0; the RMSNorm (no weight) is our choice
       attnres_weights="sigmoid": alpha_i = sigmoid(<q_l, k_i>), independent gates (0.5 each at init)
       attnres_key_norm=False:    k_i = v_i, no RMSNorm
     The default is one fused kernel (kernels.depth_attention); the ablations take a plain path that
     stacks the sources, the O(L^2 d) copy that the kernel avoids."""
-    embed_std = 0.02
+    options = dict(  # AttnRes ablations (paper §5.3); the defaults are the paper's method
+        attnres_query=("static", "input"),  # static: a learned pseudo-query per sublayer | input: projected from the stream
+        attnres_weights=("softmax", "sigmoid"),  # softmax over depth | sigmoid: an independent gate per source
+        attnres_key_norm=(True, False),  # RMSNorm (learned weight) on the keys | False: raw sources as keys
+    )
+    mods, ops = ("router",), ("rms_norm", "depth_attention")
+    vector_flops = ("attnres_depth",)  # mat-vecs and broadcasts, not matmuls
+
+    @classmethod
+    def block_ends(cls, config):
+        """Per sublayer, whether it closes a block, i.e. its block becomes a finished source."""
+        return (True,) * config.n_sublayers
+
+    @classmethod
+    def source_counts(cls, config):
+        """How many sources each sublayer 0..2L-1, then the head, mixes (sublayer 0: none, it reads
+        the embedding as is): the finished blocks (b_0 = embedding) plus the running partial sum."""
+        finished, partial, counts = 1, False, []
+        for l, ends in enumerate(cls.block_ends(config)):
+            counts.append(0 if l == 0 else finished + partial)
+            partial = not ends
+            finished += ends
+        return counts + [finished]
+
+    @classmethod
+    def flops(cls, config):
+        d = config.n_embd  # 2d for the scores, 2d for the weighted sum, per source mixed
+        out = {"attnres_depth": 4 * d * sum(cls.source_counts(config))}
+        if config.attnres_query == "input":  # W_l RMSNorm(latest source): sublayers 1..2L-1 and the head
+            out["attnres_query"] = 2 * d * d * config.n_sublayers
+        return out
 
     def __init__(self, config):
         super().__init__()
         n, d = config.n_sublayers, config.n_embd
-        self.block_ends = tuple(config.ends_depth_block(l) for l in range(n))
+        self.ends = type(self).block_ends(config)
         self.static_query, self.key_norm = config.attnres_query == "static", config.attnres_key_norm
         self.sigmoid = config.attnres_weights == "sigmoid"
         self.fused = self.static_query and not self.sigmoid and self.key_norm
@@ -549,11 +683,6 @@ class BlockAttnRes(nn.Module):
         if torch.is_autocast_enabled(e.device.type):
             e = e.to(torch.get_autocast_dtype(e.device.type))
         return [e], None  # finished blocks, partial sum of the current block
-
-    def describe(self):
-        if self.block_ends.count(True) == len(self.block_ends):
-            return ""
-        return f" in {self.config.attnres_blocks_used} blocks of {self.config.attnres_layers_per_block} layer(s)"
 
     def sources(self, state):
         """The list of sources a sublayer mixes. Each tensor is written once and read where it lies
@@ -592,7 +721,7 @@ class BlockAttnRes(nn.Module):
     def write(self, state, l, out):
         blocks, partial = state
         partial = out if partial is None else partial + out
-        if self.block_ends[l]:
+        if self.ends[l]:
             return blocks + [partial], None
         return blocks, partial
 
@@ -616,11 +745,46 @@ class BlockAttnRes(nn.Module):
         return {"depth_weights": weights.float().flatten(1).mean(1).tolist()}
 
 
+class BlockAttnRes(AttnRes):
+    """Block AttnRes: the sources are blocks of k = ceil(L / N) whole layers, N = attnres_blocks.
+    Boundaries fall before every k-th layer, as the reference's `layer % k == 0`; the last block keeps
+    the layers that remain, so it may be shorter, and a boundary never splits a layer's attention from
+    its MLP. N blocks when N divides L, maybe fewer otherwise (L = 12, N = 8: k = 2, 6 blocks)."""
+    options = dict(
+        attnres_blocks=None,  # block_attnres: N in [1, L], blocks of ceil(L/N) layers; None: min(8, L)
+        **AttnRes.options,
+    )
+
+    @classmethod
+    def flops(cls, config):
+        return super().flops(config)  # AttnRes's terms, over this partition's sources
+
+    @staticmethod
+    def check(config):
+        N = config.attnres_blocks
+        if N is not None and not (type(N) is int and 1 <= N <= config.n_layer):
+            raise ValueError(f"attnres_blocks must be an integer in [1, n_layer = {config.n_layer}] (blocks are whole "
+                             f"layers; None for min(8, n_layer)), got {N!r}")
+
+    @staticmethod
+    def layers_per_block(config):
+        return -(-config.n_layer // (config.attnres_blocks or min(8, config.n_layer)))
+
+    @classmethod
+    def block_ends(cls, config):
+        k = cls.layers_per_block(config)
+        return tuple(l % 2 == 1 and ((l // 2 + 1) % k == 0 or l // 2 + 1 == config.n_layer)
+                     for l in range(config.n_sublayers))
+
+    def describe(self):
+        return f" in {sum(self.ends)} blocks of {self.layers_per_block(self.config)} layer(s)"
+
+
 RESIDUALS = {
     "prenorm": PreNorm,
     "sandwich": Sandwich,
     "nag": NAG,
-    "attnres": BlockAttnRes,
+    "attnres": AttnRes,
     "block_attnres": BlockAttnRes,
 }
 
@@ -628,8 +792,8 @@ RESIDUALS = {
 # -----------------------------------------------------------------------------
 # Mixture-of-Depths: which tokens run each sublayer. Skipped tokens are gathered out,
 # so they cost no matmul FLOPs and are not keys at that attention sublayer.
-# Each mode is a module with route(stream, state, x, l, ctx) -> Route, or None for "every token,
-# unweighted" (the dense path). ctx is a per-forward dict (see GPT._forward).
+# Each MoD mode is a MoD: route(stream, state, x, l, ctx) -> Route, or None for "every token,
+# unweighted" (the dense path); ctx is a per-forward dict (GPT._context).
 
 GATE_FLOOR = 1e-6  # skip_middle's attention bias is log(clamp(g, GATE_FLOOR, 1)), -inf at g = 0
 
@@ -753,22 +917,75 @@ def block_route(ctx, block, make):
     return routes[block]
 
 
-class TopKMoD(nn.Module):
+class MoD(nn.Module):
+    """A Mixture-of-Depths mode. Besides route(), it declares what a residual mode does (options, check,
+    flops, no_decay_parameters; see Residual) and planned_fractions(config): per sublayer, the fraction
+    of tokens that FLOP plans count (counted_dense: no fixed capacity, so dense is an upper bound)."""
+    options, counted_dense, vector_flops = {}, False, ()
+
+    @staticmethod
+    def check(config):
+        pass
+
+    @staticmethod
+    def planned_fractions(config):
+        return [1.0] * config.n_sublayers
+
+    def no_decay_parameters(self):
+        return []
+
+    def aux_loss(self, ctx):
+        return None
+
+
+class TopKMoD(MoD):
     """Routing by a per-token score: in training each sequence keeps its top-k tokens per routed
-    sublayer (config.mod_routed; the others run dense); in eval (causal) a token runs it when keep()
+    sublayer (routed(); the others run dense); in eval (causal) a token runs it when keep()
     says so: its score is >= tau, an EMA of the k-th largest training score (a buffer: saved in the
     checkpoint; tau = nan, never trained with routing, e.g. mod_rate 0: every token runs).
     unit[l]: the score (router, tau) sublayer l uses; None where sublayer l runs dense."""
     tau_decay = 0.99
 
+    @staticmethod
+    def routed(config):
+        """The sublayers routed: both of every mod_every-th block (blocks 0, k, 2k, ..); the others run dense."""
+        return tuple(l for l in range(config.n_sublayers) if (l // 2) % config.mod_every == 0)
+
+    @classmethod
+    def skip_fraction(cls, config):
+        """The fraction of tokens each routed sublayer skips: mod_rate x (sublayers / routed sublayers), so
+        the model as a whole skips mod_rate of its (token, sublayer) pairs whatever mod_every is. The
+        paper's 12.5% capacity in every other block is mod_every=2, mod_rate=0.4375 (even n_layer)."""
+        return config.mod_rate * config.n_sublayers / len(cls.routed(config))
+
+    @classmethod
+    def keep_fraction(cls, config):
+        """Training capacity of a routed sublayer: the fraction of tokens kept, k / T."""
+        return capacity(config.block_size, cls.skip_fraction(config)) / config.block_size
+
+    @classmethod
+    def planned_fractions(cls, config):
+        routed, keep = cls.routed(config), cls.keep_fraction(config)
+        return [keep if l in routed else 1.0 for l in range(config.n_sublayers)]
+
+    @classmethod
+    def check(cls, config):
+        if isinstance(config.mod_every, bool) or not isinstance(config.mod_every, int) or config.mod_every < 1:
+            raise ValueError(f"mod_every must be an integer >= 1 (route every k-th block), got {config.mod_every!r}")
+        if cls.skip_fraction(config) >= 1.0:
+            blocks = len(cls.routed(config)) // 2
+            raise ValueError(f"mod_rate={config.mod_rate} cannot be skipped by the {blocks} of {config.n_layer} blocks "
+                             f"that mod_every={config.mod_every} routes: use mod_rate < {blocks / config.n_layer:.4g} "
+                             f"or a smaller mod_every")
+
     def __init__(self, config, per_block=False):
         super().__init__()
-        self.rate = config.mod_skip  # the skipped fraction of each routed sublayer
+        self.rate = self.skip_fraction(config)  # the skipped fraction of each routed sublayer
         key = (lambda l: l // 2) if per_block else (lambda l: l)
-        slots = list(dict.fromkeys(key(l) for l in config.mod_routed))
-        self.unit = [slots.index(key(l)) if l in config.mod_routed else None for l in range(config.n_sublayers)]
+        routed = self.routed(config)
+        slots = list(dict.fromkeys(key(l) for l in routed))
+        self.unit = [slots.index(key(l)) if l in routed else None for l in range(config.n_sublayers)]
         self.register_buffer("tau", torch.full((len(slots),), float("nan")))
-
     def route(self, stream, state, x, l, ctx):
         u = self.unit[l]
         if u is None or (self.training and self.rate == 0):
@@ -805,22 +1022,32 @@ class TopKMoD(nn.Module):
             return (score >= tau) | tau.isnan()  # nan: never trained with routing, every token runs
         return score.item() >= ctx["tau"][u] if score.numel() == 1 else score >= self.tau[u]
 
+    def routing_score(self, stream, state, l, scores):
+        """routing(): what sublayer l is routed on (None where it runs dense); scores: those so far."""
+        if self.unit[l] is None:
+            return None
+        return self.score(stream, state, stream.read(state, l), l)
+
     def learn(self, x, u, route, ctx):
         pass
 
     def finish(self, route):
         return route
 
-    def aux_loss(self, ctx):
-        return None
-
 
 class NAGMoD(TopKMoD):
     """mod=nag: router-free. The score is a_l = alpha_l m_l(r), the tangent of the rotation the
     sublayer would apply; the kept tokens' NAG write-back uses it, so m learns through it."""
 
+    @staticmethod
+    def flops(config):
+        return {}  # the score is the modulator's, which NAG counts
+
     def score(self, stream, state, x, l):
         return stream.tangent(state[0], l).squeeze(-1)
+
+    def routing_score(self, stream, state, l, scores):
+        return self.score(stream, state, None, l)  # every sublayer's tangent, routed or not
 
 
 class RouterMoD(TopKMoD):
@@ -833,7 +1060,35 @@ class RouterMoD(TopKMoD):
     paper's predictor (mod_inference=predictor): per router a small MLP on the router's input with
     its gradient stopped, trained by BCE towards top-k membership; logit > 0 (p > 0.5) runs the
     token. (The paper's other option, a BCE on the router's own score, is not implemented.) tau is
-    tracked either way, so a predictor model can also be evaluated with inference = "threshold"."""
+    tracked either way, so a predictor model can also be evaluated with inference = "threshold".
+    The paper's whole recipe (every other block at 12.5% capacity) is config/mod_router_paper.py;
+    mod_every=1 is the default so that mod_rate spans [0, 1) as for the other MoD modes."""
+    options = dict(  # Raposo et al., arXiv 2404.02258
+        mod_layout=("block", "sublayer"),  # block: attention + MLP share a route (Eq. 1) | sublayer: each routes alone
+        mod_every=1,  # route every k-th block (blocks 0, k, 2k, ..), the others dense; mod_rate stays overall
+        router_weight=("raw", "sigmoid"),  # kept writes scaled by the raw score r (Eq. 1) | sigmoid(r)
+        mod_inference=("predictor", "threshold"),  # eval routing: predictor (the paper's MLP) | threshold (score >= tau)
+    )
+
+    @staticmethod
+    def n_routers(config):
+        """Router scores per token: one per routed sublayer (mod_layout=block: per routed block)."""
+        return len(TopKMoD.routed(config)) // (2 if config.mod_layout == "block" else 1)
+
+    @staticmethod
+    def predictor_width(config):
+        """mod_inference=predictor: the hidden width of each routing predictor MLP."""
+        return max(8, config.n_embd // 8)
+
+    @classmethod
+    def flops(cls, config):
+        if config.mod_rate == 0:  # the model never routes, in training nor in eval
+            return {}
+        d, n = config.n_embd, cls.n_routers(config)
+        out = {"router": 2 * d * n}  # a linear score <w, x> on every token
+        if config.mod_inference == "predictor":  # Linear(d, w), GELU, Linear(w, 1) per router, every token
+            out["mod_predictor"] = 2 * (d + 1) * cls.predictor_width(config) * n
+        return out
 
     def __init__(self, config):
         super().__init__(config, per_block=config.mod_layout == "block")
@@ -842,7 +1097,7 @@ class RouterMoD(TopKMoD):
         self.routers = nn.ModuleList(nn.Linear(d, 1, bias=False) for _ in range(n))
         self.predictors = None
         if config.mod_inference == "predictor":
-            w = config.predictor_width
+            w = self.predictor_width(config)
             self.predictors = nn.ModuleList(
                 nn.Sequential(nn.Linear(d, w), nn.GELU(), nn.Linear(w, 1)) for _ in range(n))
             # the last training forward's BCE per predictor (for logs and tests)
@@ -856,6 +1111,11 @@ class RouterMoD(TopKMoD):
 
     def score(self, stream, state, x, l):
         return upcast(self.routers[self.unit[l]](x)).squeeze(-1)
+
+    def routing_score(self, stream, state, l, scores):
+        if self.layout == "block" and l % 2:
+            return scores[l - 1]  # the block's route, scored on the stream entering it
+        return super().routing_score(stream, state, l, scores)
 
     def predict(self, x, u):
         """The predictor's logit that each token is in the top-k; x's gradient stops here."""
@@ -892,7 +1152,7 @@ class RouterMoD(TopKMoD):
         return (bce - bce.detach()).sum()
 
 
-class SkipMiddle(nn.Module):
+class SkipMiddle(MoD):
     """mod=skip_middle (Lawson & Aitchison, arXiv 2506.21103), on the sandwich residual, per transformer
     block. Blocks i < L/2 produce s_i = ReLU(<w_i, x_i> + b_i) from the stream entering them; the gate
     g_i = 1 - clamp(s_1 + .. + s_i, 0, 1) scales both sublayers of block i and of its mirror
@@ -909,11 +1169,29 @@ class SkipMiddle(nn.Module):
     eta (mean - target) (var - target) where they are more than 0.01 apart. Mean targets go linearly
     from 1 (outermost) to skip_target (innermost); variance targets t(1 - t). With one producer
     (L = 2) the target is skip_target: the reference's linspace(1, end, 1) gives 1 there, a gate that
-    never aims to skip. Producers get no weight decay (no_decay), as in the reference."""
-    eta, tolerance = 1e-3, 0.01
+    never aims to skip. Producers get no weight decay, as in the reference."""
+    options = dict(
+        skip_target=None,  # skip_middle: the innermost gate's mean target; None: 1 - 2 mod_rate
+        # where log(g) enters attention. key: the paper's description (other tokens stop reading a token
+        # that skipped, so g = 0 tokens are gathered out exactly) | query: the published code (a row bias
+        # that softmax cancels; every token runs, masked)
+        skip_middle_gate_axis=("key", "query"),  # skip_middle: key (the paper's description) | query (the published code)
+    )
+    counted_dense = True  # the gates decide how many tokens run: FLOP plans count dense, an upper bound
     unused_parameters = True  # DDP: a middle block whose gate is 0 on all of a rank's tokens gets no gradient there
+    eta, tolerance = 1e-3, 0.01
     gather = True  # False: the soft path (every token runs, masked), which tests compare against
-    no_decay = True  # configure_optimizers: none of this module's parameters decay
+
+    @staticmethod
+    def check(config):
+        if config.n_layer % 2:
+            raise ValueError(f"mod=skip_middle pairs block i with block L-1-i: n_layer must be even, got {config.n_layer}")
+        if config.skip_target is not None and not 0.0 <= config.skip_target <= 1.0:
+            raise ValueError(f"skip_target must be in [0, 1], got {config.skip_target}")
+
+    @staticmethod
+    def flops(config):
+        return {"skip_gates": 2 * config.n_embd * (config.n_layer // 2)}  # s_i = ReLU(<w_i, x_i> + b_i), every token
 
     def __init__(self, config):
         super().__init__()
@@ -933,6 +1211,9 @@ class SkipMiddle(nn.Module):
         # the pooled statistics the last controller step saw (for logs and tests)
         self.register_buffer("gate_mean", torch.full((half,), float("nan")), persistent=False)
         self.register_buffer("gate_var", torch.full((half,), float("nan")), persistent=False)
+
+    def no_decay_parameters(self):
+        return list(self.parameters())
 
     def route(self, stream, state, x, l, ctx):
         return block_route(ctx, l // 2, lambda: self.gate_route(state, l // 2, ctx))  # the MLP reuses it
@@ -995,274 +1276,158 @@ class SkipMiddle(nn.Module):
             coef.add_(torch.where(gap.abs() > self.tolerance, self.eta * gap, 0.0))  # nan > x is False
 
 
-MODS = {"none": None, "nag": NAGMoD, "router": RouterMoD, "skip_middle": SkipMiddle}
-_ATTNRES = ("residual", ("attnres", "block_attnres"))
-# GPTConfig's options that belong to one residual mode or MoD mode: name -> (valid values, the default
-# first, or None for a number checked on its own; the key and the modes it applies to). Set away from its
-# default under another mode, an option is an error rather than silently ignored.
-MODE_OPTIONS = {
-    "attnres_query": (("static", "input"), *_ATTNRES),
-    "attnres_weights": (("softmax", "sigmoid"), *_ATTNRES),
-    "attnres_key_norm": ((True, False), *_ATTNRES),
-    "nag_head": (("cosine", "sqrt_d"), "residual", ("nag",)),
-    "nag_m_floor": (None, "residual", ("nag",)),
-    "mod_layout": (("block", "sublayer"), "mod", ("router",)),
-    "mod_every": (None, "mod", ("router",)),
-    "router_weight": (("raw", "sigmoid"), "mod", ("router",)),
-    "mod_inference": (("predictor", "threshold"), "mod", ("router",)),
-    "skip_middle_gate_axis": (("key", "query"), "mod", ("skip_middle",)),
-}
 
+
+MODS = {"none": None, "nag": NAGMoD, "router": RouterMoD, "skip_middle": SkipMiddle}
+
+
+@torch.no_grad()
+def routing(model, idx):
+    """What the model's current routing (eval: thresholds or predictors) does with idx [B, T]:
+    ran [2L, B, T] bool, whether each token ran each sublayer; score [2L, B, T] float, what it was
+    routed on (mod=router: the router's score r; mod=nag: the tangent a = alpha_l m_l(r) of every
+    sublayer), nan where a sublayer is not routed."""
+    B, T = idx.shape
+    ctx = model._context(B * T)
+    ctx["routes"] = {}
+    n = len(model.sublayers)
+    score = torch.full((n, B, T), float("nan"), device=idx.device)
+    state = model.stream.embed(model.wte(idx))
+    for l in range(n):
+        s = model.mod.routing_score(model.stream, state, l, score) if hasattr(model.mod, "routing_score") else None
+        if s is not None:
+            score[l] = s.float()
+        state = model._sublayer(state, l, ctx)
+    model._finish(ctx)
+    dense = Route(None, executed=B * T)
+    ran = torch.stack([(ctx["routes"][l] or dense).ran(B, T, idx.device) for l in range(n)])
+    return ran, score
 
 
 # -----------------------------------------------------------------------------
-# the model
+# attention under MoD and in generation: which keys each query sees
 
-class GPT(nn.Module):
+class Visibility:
+    """What attention needs beyond causality, in one argument: key_bias [B, T] is added to the scores of
+    each token as a key (skip_middle's gated attention; -inf: never a key), query_bias [B, T] to those
+    of each token as a query (the published skip_middle code's axis), and cache is a KVCache the T
+    tokens are appended to (generation)."""
 
-    def __init__(self, config):
-        super().__init__()
-        config.__post_init__()
-        self.config = config
-        V, d = config.padded_vocab_size, config.n_embd
-        self.wte = nn.Embedding(V, d)
-        self.drop = nn.Dropout(config.dropout)
-        # sublayers l = 0..2L-1 alternate attention and MLP (the README numbers them 1..2L)
-        self.sublayers = nn.ModuleList(
-            CausalSelfAttention(config) if l % 2 == 0 else MLP(config) for l in range(config.n_sublayers))
-        self.stream = RESIDUALS[config.residual](config)
-        self.mod = MODS[config.mod](config) if MODS[config.mod] else None
-        self.lm_head = nn.Linear(d, V, bias=False)
-        self.register_buffer("rope", rope_table(d // config.n_head, config.block_size), persistent=False)
+    def __init__(self, key_bias=None, query_bias=None, cache=None):
+        self.key_bias, self.query_bias, self.cache = key_bias, query_bias, cache
 
-        self.apply(self._init_weights)
-        # scaled init of each sublayer's output projection (GPT-2 / nanoGPT)
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(config.n_sublayers))
-
-    def _init_weights(self, module):
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=self.stream.embed_std)
-
-    def get_num_params(self, non_embedding=True):
-        """Parameter count. The token embedding is a lookup (no FLOPs), so non_embedding leaves
-        it out; the untied LM head is a real matmul and stays in."""
-        n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            n -= self.wte.weight.numel()
-        return n
-
-    def forward(self, idx, targets=None):
-        B, T = idx.size()
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        ctx = self._context(B * T, update_tau=self.training)
-        state = self.stream.embed(self.drop(self.wte(idx)))
-        for l in range(len(self.sublayers)):
-            state = self._sublayer(state, l, ctx)
-        self._finish(ctx)
-        if targets is None:
-            # inference: only the last position's logits are needed
-            state = _last_position(state)
-        logits = self.stream.head(state, self.lm_head)[..., :self.config.vocab_size]
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
-                                   ignore_index=-1)
-            aux = self.mod.aux_loss(ctx) if self.training and self.mod is not None else None
-            if aux is not None:  # skip_middle's sparsity penalty; the router predictors' BCE (value 0)
-                loss = loss + aux
-        return logits, loss
-
-    def _context(self, tokens, update_tau=False, pos=0, caches=None):
-        """What one forward pass carries besides the stream: the first position (generation),
-        the KV caches, routing state, and the tokens each sublayer ran (executed)."""
-        return {"tokens": tokens, "pos": pos, "caches": caches, "update_tau": update_tau,
-                "executed": [tokens] * len(self.sublayers)}
-
-    def _finish(self, ctx):
-        self.last_executed = ctx["executed"]  # per sublayer: tokens run (ints, or 0-d tensors)
-        self.last_tokens = ctx["tokens"]
-
-    def _sublayer(self, state, l, ctx):
-        """Run sublayer l on the tokens the MoD mode routes to it and write it back."""
-        f, x = self.sublayers[l], self.stream.read(state, l)
-        T, pos, cache = x.size(1), ctx["pos"], ctx["caches"] and ctx["caches"][l]
-        route = self.mod.route(self.stream, state, x, l, ctx) if self.mod is not None else None
-        if "routes" in ctx:  # routing() records them
-            ctx["routes"][l] = route
-        if route is None:
-            return self.stream.write(state, l, f(x, self.rope[pos:pos + T], cache=cache))
-        ctx["executed"][l] = route.executed
-        if route.idx is not None and route.idx.size(1) == 0:
-            return self.stream.skip(state, l)  # nobody runs this sublayer
-        rope = self.rope[pos:pos + T] if route.idx is None else self.rope[pos + route.idx]
-        key_bias = route.key_bias
-        if cache is not None and route.valid is not None:  # padding is never a key later on
+    @staticmethod
+    def of(route, cache):
+        """The visibility of a sublayer that runs `route` (None: every token) with `cache`; None when
+        plain causal attention is all it takes."""
+        key_bias, query_bias = (None, None) if route is None else (route.key_bias, route.query_bias)
+        if cache is not None and route is not None and route.valid is not None:  # padding is never a key later on
             key_bias = torch.where(route.valid.squeeze(-1), 0.0 if key_bias is None else key_bias, float("-inf"))
-        out = f(route.gather(x), rope, key_bias=key_bias, query_bias=route.query_bias, cache=cache)
-        return self.stream.write_kept(state, l, out, route)
+        if key_bias is None and query_bias is None and cache is None:
+            return None
+        return Visibility(key_bias, query_bias, cache)
 
-    @torch.no_grad()
-    def routing(self, idx):
-        """What the model's current routing (eval: thresholds or predictors) does with idx [B, T]:
-        ran [2L, B, T] bool, whether each token ran each sublayer; score [2L, B, T] float, what it was
-        routed on (mod=router: the router's score r, nan where a sublayer is not routed) or, for
-        residual=nag, the tangent a = alpha_l m_l(r) of every sublayer (routed or not)."""
-        B, T = idx.shape
-        ctx = self._context(B * T)
-        ctx["routes"] = {}
-        n = len(self.sublayers)
-        score = torch.full((n, B, T), float("nan"), device=idx.device)
-        state = self.stream.embed(self.wte(idx))
-        for l in range(n):
-            if self.config.residual == "nag":
-                score[l] = self.stream.tangent(state[0], l).squeeze(-1).float()
-            elif self.config.mod_layout == "block" and self.config.mod == "router" and l % 2:
-                score[l] = score[l - 1]  # the block's route, scored on the stream entering it
-            elif isinstance(self.mod, TopKMoD) and self.mod.unit[l] is not None:
-                score[l] = self.mod.score(self.stream, state, self.stream.read(state, l), l).float()
-            state = self._sublayer(state, l, ctx)
-        self._finish(ctx)
-        dense = Route(None, executed=B * T)
-        ran = torch.stack([(ctx["routes"][l] or dense).ran(B, T, idx.device) for l in range(n)])
-        return ran, score
-
-    def executed_fraction(self):
-        """Per sublayer, the fraction of tokens that ran it in the last forward pass."""
-        return [float(e) / self.last_tokens for e in self.last_executed]
-
-    @torch.no_grad()
-    def after_step(self, skipped=None):
-        """Call after each optimiser step. skipped: a 0-d device tensor, > 0 when the step was skipped
-        (non-finite gradients); a mode's own update then keeps its state. Modes with such an update
-        (skip_middle's sparsity controller) all-reduce their statistics over DDP ranks inside."""
-        for part in (self.stream, self.mod):
-            if hasattr(part, "after_step"):
-                part.after_step(skipped)
-
-    def set_warmup(self, scale):
-        """A mode's warm-up scale in [0, 1], set before each iteration (nag: alpha's token warm-up)."""
-        if hasattr(self.stream, "set_warmup"):
-            self.stream.set_warmup(scale)
-
-    @property
-    def unused_parameters(self):
-        """Whether a training step may leave some parameters without a gradient (DDP must be told)."""
-        return getattr(self.mod, "unused_parameters", False)
-
-    def describe(self):
-        """One line: the modes and the shape, for train.py's banner."""
-        c = self.config
-        mod = f" + mod={c.mod} at mod_rate {c.mod_rate:g}" if c.mod != "none" else ""
-        extra = self.stream.describe() if hasattr(self.stream, "describe") else ""
-        return f"{c.residual}{mod}: {c.n_layer} layers{extra}, {c.n_embd} wide"
-
-    @torch.no_grad()
-    def diagnostics(self, idx):
-        """Per sublayer l: the RMS of the stream entering it (nag: e^s), the relative size of its update
-        ||x_{l+1} - x_l|| / ||x_l||, the fraction of tokens that ran it (MoD, under the model's current
-        train or eval routing), and the mode's own figures (nag: alpha, mean m, mean rotation angle, gate
-        health: mean |a|, the fraction of tokens at the modulator's floor, dead = mean |a| < 0.05;
-        attnres: depth weights over its sources, averaged over tokens). For attnres the "stream" is the
-        depth mix a sublayer reads."""
-        B, T = idx.shape
-        ctx = self._context(B * T)
-        state = self.stream.embed(self.wte(idx))
-        rows = []
-        for l in range(len(self.sublayers)):
-            x_in = self.stream.value(state, l).float()
-            row = {"sublayer": l + 1, "kind": "attn" if l % 2 == 0 else "mlp",
-                   "rms": x_in.square().mean().sqrt().item()}
-            row.update(self.stream.stats(state, l))
-            state = self._sublayer(state, l, ctx)
-            x_out = self.stream.value(state, l + 1).float()
-            row["update"] = ((x_out - x_in).norm(dim=-1) / x_in.norm(dim=-1)).mean().item()
-            row["executed"] = float(ctx["executed"][l]) / (B * T)
-            rows.append(row)
-        head = self.stream.value(state, len(self.sublayers)).float()
-        rows.append({"sublayer": len(self.sublayers) + 1, "kind": "head", "rms": head.square().mean().sqrt().item(),
-                     **self.stream.stats(state, len(self.sublayers))})
-        if any("dead" in row for row in rows):  # nag: how many branches are dead
-            rows[-1]["dead"] = sum(row.get("dead", 0.0) for row in rows[:-1])
-        return rows
-
-    def configure_optimizers(self, weight_decay, learning_rate, betas, gate_lr_scale=1.0, gate_decay=False):
-        # weight decay on matrices and embeddings (>= 2-D); none on norms, gains and scalars, nor on the
-        # parameters of a module marked no_decay (skip_middle's gate producers, nag's modulators, as in
-        # the references; gate_decay=True decays the modulator matrices, an ablation). gate_lr_scale != 1
-        # (nag only): alpha and the modulators get a group of their own, without decay, whose "lr_scale"
-        # train.py multiplies the scheduled LR by
-        if (gate_lr_scale != 1.0 or gate_decay) and not hasattr(self.stream, "gate_parameters"):
-            raise ValueError(f"gate_lr_scale={gate_lr_scale}, gate_decay={gate_decay} only apply to residual=nag")
-        if gate_lr_scale != 1.0 and gate_decay:
-            raise ValueError("gate_decay=True needs gate_lr_scale=1: the gate group has no decay")
-        gates = self.stream.gate_parameters() if gate_lr_scale != 1.0 else []
-        exempt = {id(p) for m in self.modules() if getattr(m, "no_decay", False)
-                  and not (gate_decay and isinstance(m, Modulator)) for p in m.parameters()}
-        params = [p for p in self.parameters() if p.requires_grad and all(p is not g for g in gates)]
-        decay = [p for p in params if p.dim() >= 2 and id(p) not in exempt]
-        no_decay = [p for p in params if p.dim() < 2 or id(p) in exempt]
-        groups = [{"params": decay, "weight_decay": weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        if gates:
-            groups.append({"params": gates, "weight_decay": 0.0, "lr": learning_rate * gate_lr_scale,
-                           "lr_scale": gate_lr_scale})
-        # fused on every device (CPU too): the fastest AdamW, and the one that can skip a step on the
-        # device when handed found_inf (train.py's non-finite-step skip)
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, kv_cache=True):
-        """Sample max_new_tokens after idx (LongTensor [B, T]). With kv_cache, each new token runs
-        alone through the sublayers it is routed to, against caches that hold only the tokens each
-        attention sublayer ran; when a cache fills up (block_size positions) it restarts from the
-        last block_size / 2 tokens. Without it, every step recomputes the context cropped to
-        block_size. self.generate_stats counts, per sublayer, the tokens that ran it."""
-        executed, n = [0] * len(self.sublayers), 0
-        caches, pos = None, 0
-        for _ in range(max_new_tokens):
-            if not kv_cache:
-                idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
-                logits, _ = self(idx_cond)
-                step = idx_cond.numel()
-            elif caches is None or pos == self.config.block_size:
-                window = idx[:, -(self.config.block_size if caches is None else self.config.block_size // 2):]
-                caches = [KVCache(self.config.block_size) if l % 2 == 0 else None for l in range(len(self.sublayers))]
-                logits, pos, step = self._step(window, caches, 0), window.size(1), window.numel()
-            else:
-                logits, pos, step = self._step(idx[:, -1:], caches, pos), pos + 1, idx.size(0)
-            executed, n = [a + float(b) for a, b in zip(executed, self.last_executed)], n + step
-            logits = logits[:, -1, :]
-            if temperature == 0:
-                idx_next = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                    logits[logits < v[:, [-1]]] = -float("inf")
-                idx_next = torch.multinomial(F.softmax(logits.float(), dim=-1), num_samples=1)
-            idx = torch.cat((idx, idx_next), dim=1)
-        self.generate_stats = {"executed": executed, "tokens": n}
-        return idx
-
-    def _step(self, idx, caches, pos):
-        """Logits of the last of the tokens idx [B, t] at positions pos.., appended to the caches."""
-        ctx = self._context(idx.numel(), pos=pos, caches=caches)
-        state = self.stream.embed(self.wte(idx))
-        for l in range(len(self.sublayers)):
-            state = self._sublayer(state, l, ctx)
-        self._finish(ctx)
-        return self.stream.head(_last_position(state), self.lm_head)[..., :self.config.vocab_size]
+    def keys(self, k, v):
+        """(k, v, mask, causal) for queries that are the T new tokens of k, v [B, nh, T, hd]: the keys
+        to attend to (the cache's, when there is one), an additive mask or None, and whether plain
+        causality applies where there is no mask."""
+        B, T = k.size(0), k.size(2)
+        if self.cache is not None:
+            k, v, bias = self.cache.append(k, v, self.key_bias)
+            if self.cache.unbiased and self.query_bias is None and (T == 1 or self.cache.n == T):
+                return k, v, None, T > 1  # one new token sees every cached key; a first window is plainly causal
+            return k, v, attention_mask(bias, T, self.query_bias), True
+        bias = self.key_bias if self.key_bias is not None else k.new_zeros(B, T, dtype=torch.float32)
+        return k, v, attention_mask(bias, T, self.query_bias), True
 
 
-def _last_position(state):
-    """Keep only the last token of every tensor in a stream state (a tensor or a tuple/list of them)."""
-    if state is None or torch.is_tensor(state):
-        return state if state is None else state[:, [-1]]
-    return type(state)(_last_position(s) for s in state)
+def attention_mask(bias, t, query_bias=None):
+    """Additive mask [B, 1, t, n] for the last t of n keys as queries: causal, plus each key's bias
+    [B, n] (and, if given, each query's bias [B, t] along its row). A query always sees itself: a
+    token that runs the sublayer has a finite bias anyway, and padding (or a soft-path token with
+    gate 0, whose output is discarded) must not get a row of -inf, whose softmax is NaN."""
+    n = bias.size(1)
+    q = torch.arange(n - t, n, device=bias.device)[:, None]
+    k = torch.arange(n, device=bias.device)[None, :]
+    mask = torch.where(k <= q, bias[:, None, :], float("-inf"))
+    mask = torch.where(k == q, mask.clamp(min=math.log(GATE_FLOOR)), mask)
+    if query_bias is not None:  # one constant per row: softmax cancels it (skip_middle_gate_axis=query)
+        mask = mask + query_bias[:, :, None]
+    return mask[:, None]
+
+
+class KVCache:
+    """Keys and values of the tokens that ran one attention sublayer, for generation. Under MoD the
+    rows of a batch keep different tokens, so every slot has an additive bias per row: 0 for a key,
+    -inf where that row did not run the token (skip_middle: the key's log-gate). unbiased: no slot
+    so far was given a bias (every bias 0), so attention needs no mask beyond causality."""
+
+    def __init__(self, size):
+        self.size, self.n, self.k, self.unbiased = size, 0, None, True
+
+    def append(self, k, v, bias):
+        """Add t slots (k, v [B, nh, t, hd], bias [B, t], None: 0); return every slot so far."""
+        if bias is None:
+            bias = k.new_zeros(k.size(0), k.size(2), dtype=torch.float32)
+        else:
+            self.unbiased = False
+        B, nh, t, hd = k.shape
+        if self.k is None:
+            self.k, self.v = k.new_zeros(B, nh, self.size, hd), v.new_zeros(B, nh, self.size, hd)
+            self.bias = bias.new_full((B, self.size), float("-inf"))
+        if self.n + t > self.size:
+            raise RuntimeError(f"KV cache full ({self.size} slots): restart it")
+        self.k[:, :, self.n:self.n + t], self.v[:, :, self.n:self.n + t] = k, v
+        self.bias[:, self.n:self.n + t] = bias
+        self.n += t
+        return self.k[:, :, :self.n], self.v[:, :, :self.n], self.bias[:, :self.n]
+
+
+# -----------------------------------------------------------------------------
+# every mode's options are GPTConfig keys: one source, the modes' own declarations
+
+def option_owners():
+    """{option: (its default, its valid values or None, "residual" or "mod", the mode names that take it)}."""
+    owners = {}
+    for key, registry in (("residual", RESIDUALS), ("mod", MODS)):
+        for name, cls in registry.items():
+            for option, spec in getattr(cls, "options", {}).items():
+                choices = spec if isinstance(spec, tuple) else None
+                default = choices[0] if choices else spec
+                owners.setdefault(option, (default, choices, key, []))[3].append(name)
+    return owners
+
+
+OPTIONS = option_owners()
+
+
+def check_modes(config):
+    """The mode switches, every mode's options, and the modes' own checks: one-line errors that name the fix."""
+    for key, registry in (("residual", RESIDUALS), ("mod", MODS)):
+        if getattr(config, key) not in registry:
+            raise ValueError(f"unknown {key} '{getattr(config, key)}'; valid: {', '.join(registry)}")
+    chosen = {"residual": config.residual, "mod": config.mod}
+    for name, (default, choices, key, modes) in OPTIONS.items():
+        value = getattr(config, name)
+        if choices is not None and (value not in choices or type(value) is not type(choices[0])):
+            raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(map(str, choices))}")
+        if value != default and chosen[key] not in modes:
+            raise ValueError(f"{name}={value} only applies to {key}={' or '.join(modes)}; "
+                             f"remove --{name} or set --{key}={modes[-1]}")
+    residual, mod = RESIDUALS[config.residual], MODS[config.mod]
+    works_with = {m: [r for r, cls in RESIDUALS.items() if m in cls.mods] for m in MODS if MODS[m]}
+    if mod is None and config.mod_rate > 0:
+        raise ValueError(f"mod_rate={config.mod_rate} needs a mod: set " + ", ".join(
+            f"--mod={m} ({' or '.join(rs)})" for m, rs in works_with.items()))
+    if mod is not None and config.mod not in residual.mods:
+        fix = (f"mod={' or '.join(residual.mods)}, or " if residual.mods else "") + \
+            f"residual={' or '.join(works_with[config.mod])}"
+        raise ValueError(f"mod={config.mod} does not work with residual={config.residual}; use {fix}")
+    residual.check(config)
+    if mod is not None:
+        mod.check(config)
+
+
+GPTConfig = make_dataclass(  # the backbone's fields, then each mode's options with their defaults
+    "GPTConfig", [(name, Any, field(default=spec[0])) for name, spec in OPTIONS.items()],
+    bases=(GPTConfig,), namespace={"__doc__": GPTConfig.__doc__, "__module__": __name__})

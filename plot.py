@@ -142,7 +142,8 @@ def run_figures(out_dir):
     last = next((r for r in reversed(recs) if r.get("diagnostics")), None)  # None: trained without --diagnose
     rows = last["diagnostics"] if last else None
     gains = [r["gain"] for r in rows or [] if "gain" in r]
-    return {"run": os.path.basename(os.path.normpath(out_dir)),
+    paces = [r["ms_per_iter"] / 1000 for r in recs if r.get("ms_per_iter")]
+    return {"s_per_iter": float(np.median(paces)) if paces else None,"run": os.path.basename(os.path.normpath(out_dir)),
             "residual": next((r["residual"] for r in reversed(recs) if "residual" in r), MISSING),
             "sublayers": len(rows) - 1 if rows else None, "final": recs[-1]["val_loss"],
             "best": min(r["val_loss"] for r in recs),
@@ -165,10 +166,11 @@ def mean_pm(values, spec):
 
 
 def table(out_dirs, baseline=None):
-    """Markdown: a row per run (run_figures). Step times are left out: runs that share a machine do not
-    give comparable ones. Where runs are seeds of one sweep cell (`<cell>_s<seed>`), a second table
-    gives each such cell's mean ± sample std over its seeds, and its final val loss against a baseline
-    cell (`baseline`, else the first cell of the same depth): Welch's test (run_config.significance_cells).
+    """Markdown: a row per run (run_figures). Where runs are seeds of one sweep cell (`<cell>_s<seed>`), a
+    second table gives each such cell's mean ± sample std over its seeds, its final val loss against a
+    baseline cell (`baseline`, else the first cell of the same depth): Welch's test
+    (run_config.significance_cells), and its median seconds per iteration over the baseline's (their
+    runs' median logged paces; comparable only for runs of one sweep, which share the machine alike).
     A run trained without --diagnose has its losses and MISSING for the rest."""
     runs = [run_figures(d) for d in out_dirs]
     lines = ["| run | residual | sublayers | final val | best val | RMS head / RMS sublayer 1 "
@@ -189,12 +191,15 @@ def table(out_dirs, baseline=None):
         lines += ["", "Per cell, mean ± sample std over its seeds; final val against the baseline cell "
                   "(* p < 0.05, Welch's t-test):", "",
                   "| cell | seeds | final val | best val | RMS head / RMS sublayer 1 | RMS head / RMS sublayer 3 "
-                  "| nag gates: mean \\|a\\|, dead | baseline | " + " | ".join(SIGNIFICANCE_HEADER) + " |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| nag gates: mean \\|a\\|, dead | baseline | " + " | ".join(SIGNIFICANCE_HEADER)
+                  + " | s/iter vs baseline |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for c, rs in cells.items():
             base = baseline or next(b for b, bs in cells.items() if bs[0]["sublayers"] == rs[0]["sublayers"])
             vs = ([MISSING] * 4 if base == c else
                   significance_cells([r["final"] for r in rs], [r["final"] for r in cells[base]]))
+            pace, base_pace = (None if None in p else float(np.median(p)) for p in
+                               ([r["s_per_iter"] for r in rs], [r["s_per_iter"] for r in cells[base]]))
+            vs.append(MISSING if base == c or not pace or not base_pace else f"{pace / base_pace:.2f}x")
             gains = [r["gain"] for r in rs]
             gates = MISSING if None in gains else (f"{mean_pm(gains, '.3f')}, "
                                                    f"{mean_pm([r['dead'] for r in rs], '.1f')} of {rs[0]['sublayers']}")
@@ -215,6 +220,7 @@ def routing(out_dir, text=None, batches=20):
     (nag: the tangent a; router: r); and a Markdown table of the tokens that skip most and least,
     counted over `batches` val batches. Returns (figure, table)."""
     import torch
+    from model import TopKMoD, routing as model_routing
     device = torch.device("cpu")
     ckpt = load_checkpoint(os.path.join(out_dir, "ckpt.pt"), device)
     model = model_from_checkpoint(ckpt, device)
@@ -232,10 +238,10 @@ def routing(out_dir, text=None, batches=20):
         raise ConfigError(f"no {val} to take a passage from: pass --text=...")
     else:
         ids = np.memmap(val, dtype=np.uint16, mode="r")[:config.block_size].astype(np.int64).tolist()
-    ran, score = model.routing(torch.tensor([ids]))
+    ran, score = model_routing(model, torch.tensor([ids]))
     ran, score = ran[:, 0].numpy(), score[:, 0].numpy()
 
-    routed = sorted(config.mod_routed)
+    routed = sorted(TopKMoD.routed(config))
     kind = "tangent a" if config.residual == "nag" else "router score r"
     fig, (ax_ran, ax_score) = plt.subplots(2, 1, figsize=(2.5 + 0.2 * len(ids), 2 + 0.5 * config.n_sublayers),
                                            sharex=True)
@@ -265,12 +271,13 @@ def skip_table(model, val, cfg, decode, batches, show=8):
     """Markdown: per token, over `batches` val batches, the fraction of its routed sublayer passes
     that were skipped (and nag's mean tangent a); the tokens that skip most, then least."""
     import torch
-    config, routed = model.config, sorted(model.config.mod_routed)
+    from model import TopKMoD, routing as model_routing
+    config, routed = model.config, sorted(TopKMoD.routed(model.config))
     seen, skips, a_sum = {}, {}, {}
     g = torch.Generator().manual_seed(EVAL_SEED)
     for _ in range(batches):
         X, _ = get_batch(val, cfg["batch_size"], config.block_size, g, torch.device("cpu"))
-        ran, score = model.routing(X)
+        ran, score = model_routing(model, X)
         skipped = (~ran[routed]).float().mean(0)  # [B, T]: the fraction of routed sublayers skipped
         a = score[routed].mean(0) if config.residual == "nag" else None
         for i, tok in enumerate(X.flatten().tolist()):

@@ -70,7 +70,8 @@ DEFAULTS = dict(
     seed=1337,  # init and batches; DDP ranks add their rank
 )
 # where DEFAULTS are written: configurator's --help prints the comment on each key's line
-HELP_FROM = [(os.path.abspath(__file__), "DEFAULTS"), (os.path.join(REPO, "model.py"), "GPTConfig")]
+HELP_FROM = [(os.path.abspath(__file__), "DEFAULTS"), (os.path.join(REPO, "model.py"), "GPTConfig"),
+             (os.path.join(REPO, "model.py"), "options")]  # each mode's options
 # every GPTConfig field but vocab_size (it comes from the data), e.g. residual, mod, mod_rate, skip_target
 MODEL_KEYS = [f.name for f in fields(GPTConfig) if f.name != "vocab_size"]
 DEFAULTS.update({f.name: f.default for f in fields(GPTConfig) if f.name != "vocab_size"})
@@ -187,9 +188,6 @@ def load_checkpoint(path, device):
     except Exception as e:
         raise ConfigError(f"checkpoint {path} is corrupt or truncated ({type(e).__name__}); "
                           f"restore it from a copy or start with --init_from=scratch") from None
-    args = ckpt["model_args"]
-    if args.get("residual") == "nag" and "nag_head" not in args:  # saved before the nag options existed
-        args.update(nag_head="sqrt_d", nag_m_floor=0.0)  # the model it was trained as
     return ckpt
 
 

@@ -18,11 +18,8 @@ import contextlib
 import json
 import math
 import os
-import shlex
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 
@@ -31,32 +28,21 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import ConfigError, configure
-from flops import iterations_for_budget, mfu, train_flops_per_token
-from model import GPT, SkipMiddle
-from run_config import (DEFAULTS, EVAL_SEED, HELP_FROM, MODEL_KEYS, RUN_KEYS, find_data, get_batch,
-                        load_checkpoint, model_config, pick_device, save_checkpoint)
+from flops import counted_dense, iterations_for_budget, mfu, train_flops_per_token
+from guards import (Interrupted, StopSignals, TrainingStopped, ZeroGradientCheck, check_bad_steps,
+                    check_resumed_budget, check_writable, explicit_keys, keep_best_checkpoint, resolve_model_args,
+                    restore_rng, resume_budget, resume_command, rng_state, set_aside_previous_run)
+from model import GPT
+from run_config import (DEFAULTS, EVAL_SEED, HELP_FROM, find_data, get_batch, load_checkpoint, model_config,
+                        pick_device, save_checkpoint)
 
 WARMUP_CAP = 0.1  # with max_flops, warmup_iters is at most this fraction of the budget's iterations (rounded up)
 POSITIVE_KEYS = ("batch_size", "gradient_accumulation_steps", "eval_interval", "log_interval", "eval_iters")
-BUDGET_KEYS = ("max_flops", "max_seconds", "max_iters", "lr_decay_iters", "warmup_iters")  # the run's length: resume keeps them
 WANDB_NAMES = {"train_loss": "train/loss", "val_loss": "val/loss"}  # log.jsonl's names that wandb gets as nanoGPT's
-GRAD_CHECK_STEPS = 5  # compile=True: the first log iteration this many steps into a run checks for zero gradients
-
-
-class TrainingStopped(RuntimeError):
-    """Training cannot go on (e.g. the loss keeps being NaN); the message is one line that names the fix."""
-
-
-class Interrupted(Exception):
-    """SIGINT / SIGTERM: a checkpoint was written; the message says how to resume."""
-
-    def __init__(self, message, signum):
-        super().__init__(message)
-        self.signum = signum
 
 
 # -----------------------------------------------------------------------------
-# the configuration: checked before anything touches out_dir
+# the configuration: checked before anything touches out_dir (out_dir itself, resume: guards.py)
 
 def check_run_config(cfg):
     """train.py's own keys, before anything else happens: one-line errors that name the fix."""
@@ -76,22 +62,16 @@ def check_run_config(cfg):
             raise ConfigError(f"max_seconds must be a number of seconds > 0, got {cfg['max_seconds']!r}")
 
 
-def check_writable(out_dir):
-    """Make out_dir if it is missing and create (and remove) a file in it: an out_dir that cannot hold the
-    checkpoint fails at the start, not at the first eval."""
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write_test"):
-            pass
-    except OSError as e:
-        raise ConfigError(f"cannot write to out_dir {out_dir} ({e.strerror or e}); use another --out_dir") from None
-
-
-def explicit_keys(argv):
-    """The keys that argv sets, in a config file or as --key=value: configure() over defaults that are all
-    None (None takes any value) leaves None exactly where argv sets nothing. So a key set to None counts
-    as unset, which is what None means for every key that has it (lr_decay_iters=None: max_iters)."""
-    return {k for k, v in configure(argv, dict.fromkeys(DEFAULTS)).items() if v is not None}
+def check_nag_recipe(cfg):
+    """The nag_* keys of train.py: one-line errors that name the fix."""
+    for key in ("nag_gate_lr_scale", "nag_alpha_warmup_tokens"):
+        if isinstance(cfg[key], bool) or not isinstance(cfg[key], (int, float)) or not cfg[key] >= 0:
+            raise ConfigError(f"{key} must be a number >= 0, got {cfg[key]!r}")
+        if cfg[key] != DEFAULTS[key] and cfg["residual"] != "nag":
+            raise ConfigError(f"{key}={cfg[key]} only applies to residual=nag; remove it or set --residual=nag")
+    if cfg["nag_gate_decay"] and (cfg["residual"] != "nag" or cfg["nag_gate_lr_scale"] != 1.0):
+        raise ConfigError("nag_gate_decay=True applies to residual=nag with nag_gate_lr_scale=1 (the gate group "
+                          "has no decay); drop one of them")
 
 
 def start_wandb(cfg):
@@ -110,7 +90,7 @@ def start_wandb(cfg):
 
 
 # -----------------------------------------------------------------------------
-# training batches, resume
+# training batches, the LR into the optimizer, DDP
 
 def batch_generator(seed, iter_num, micro):
     """The training batch of (iteration, global micro-step) depends on nothing else, so a resumed run,
@@ -133,95 +113,6 @@ def train_batches(path, batch_size, block_size, seed, iter_num, first_micro, acc
         iter_num += 1
 
 
-def resolve_model_args(cfg, ckpt_args, explicit):
-    """On resume the architecture comes from the checkpoint; a key that argv sets (explicit_keys: a config
-    file counts) to something else is an error, also where that is the default, rather than silently
-    ignored. RUN_KEYS (dropout, kernels) come from this run's configuration instead (compile is not a
-    model key: it is always this run's)."""
-    args = {}
-    for k in MODEL_KEYS:
-        saved = ckpt_args.get(k, DEFAULTS[k])
-        if k in explicit and k not in RUN_KEYS and cfg[k] != saved:
-            raise ConfigError(f"the checkpoint was trained with {k}={saved!r}, not {cfg[k]!r}; "
-                              f"drop --{k} or use another out_dir")
-        args[k] = cfg[k] if k in RUN_KEYS else saved
-    return args
-
-
-def resume_budget(cfg, ckpt_cfg, explicit):
-    """On resume the run's length (BUDGET_KEYS) comes from the checkpoint unless argv sets it, so a
-    finished run resumed with fewer arguments does not train on. The rule: a set max_iters or
-    lr_decay_iters extends (or shortens) the run or its decay, nanoGPT's way to train on; a max_flops
-    budget decides max_iters again exactly as it did, and max_flops, max_seconds and warmup_iters cannot
-    change (plan_iterations compares them with the checkpoint's after planning; with max_seconds the
-    warm-up is re-planned from the pace, so it is not compared)."""
-    return {k: ckpt_cfg.get(k, cfg[k]) for k in BUDGET_KEYS if k not in explicit}
-
-
-def rng_state(device):
-    state = {"torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def resume_command(argv, out_dir, world):
-    """The command line that continues this run: the same arguments, resuming from out_dir."""
-    args = [a for a in argv if not a.startswith(("--init_from=", "--out_dir="))]
-    args += ["--init_from=resume", f"--out_dir={out_dir}"]
-    launcher = ["python"] if world == 1 else ["torchrun", "--standalone", f"--nproc_per_node={world}"]
-    return shlex.join(launcher + ["train.py"] + args)
-
-
-class StopSignals:
-    """While active, SIGINT and SIGTERM only set a flag: the loop checkpoints at the next step boundary
-    (never inside the handler, where the model may be half-updated) and then exits."""
-
-    def __init__(self):
-        self.signum = 0
-
-    def _handle(self, signum, frame):
-        if not self.signum:
-            print(f"got {signal.Signals(signum).name}: saving a checkpoint after this step, then exiting",
-                  file=sys.stderr, flush=True)
-        self.signum = signum  # repeats (torchrun forwards the terminal's Ctrl-C again) change nothing
-
-    def install(self):
-        self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def restore(self):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-
-def wrap_ddp(model, config, device):
-    """DDP. Rope tables are buffers: no need to broadcast them, and evals run on rank 0 alone.
-    skip_middle gathers out the tokens whose gate is 0: once a middle block is off for every token
-    of a rank's batch, its parameters get no gradient there, which DDP must be told to expect."""
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
-               find_unused_parameters=config.mod == "skip_middle")
-
-
-def pool_gate_stats(mod):
-    """DDP, mod=skip_middle: every rank's controller sees the same statistics (else lam and mu drift
-    apart), those of the pooled batch of all ranks: the sums of 1, g and g^2 that each rank gathered
-    over its micro-batches, added up. One small all_reduce per step, on the device."""
-    dist.all_reduce(mod.gate_sums)
-
-
-def check_nag_recipe(cfg):
-    """The nag_* keys of train.py: one-line errors that name the fix."""
-    for key in ("nag_gate_lr_scale", "nag_alpha_warmup_tokens"):
-        if isinstance(cfg[key], bool) or not isinstance(cfg[key], (int, float)) or not cfg[key] >= 0:
-            raise ConfigError(f"{key} must be a number >= 0, got {cfg[key]!r}")
-        if cfg[key] != DEFAULTS[key] and cfg["residual"] != "nag":
-            raise ConfigError(f"{key}={cfg[key]} only applies to residual=nag; remove it or set --residual=nag")
-    if cfg["nag_gate_decay"] and (cfg["residual"] != "nag" or cfg["nag_gate_lr_scale"] != 1.0):
-        raise ConfigError("nag_gate_decay=True applies to residual=nag with nag_gate_lr_scale=1 (the gate group "
-                          "has no decay); drop one of them")
-
-
 def set_lr(optimizer, lr):
     """The scheduled LR into every parameter group, times the group's lr_scale (nag_gate_lr_scale's group)."""
     for group in optimizer.param_groups:
@@ -234,22 +125,17 @@ def alpha_warmup(iter_num, tokens_per_iter, warmup_tokens):
     return min(1.0, iter_num * tokens_per_iter / warmup_tokens) if warmup_tokens > 0 else 1.0
 
 
+def wrap_ddp(model, device, unused_parameters):
+    """DDP. Rope tables are buffers: no need to broadcast them, and evals run on rank 0 alone.
+    unused_parameters (GPT.unused_parameters): a step may leave some parameters without a gradient on
+    a rank (skip_middle, a middle block off for every token of the rank's batch), which DDP must be
+    told to expect."""
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
+               find_unused_parameters=unused_parameters)
+
+
 # -----------------------------------------------------------------------------
 # the training step: nothing in it reads a value back to the host (that would wait for the GPU)
-
-def use_fused_adamw(optimizer):
-    """Fused AdamW (configure_optimizers builds it on every device) is the AdamW that skips a step on
-    the device, given found_inf (the flag GradScaler hands it), leaving parameters, moments and step
-    counts exactly as they were; the foreach path would need a host read to skip. load_state_dict
-    brings back the flags a checkpoint was saved with (foreach, in checkpoints from before): this
-    makes the optimizer fused again, with its step counters where fused keeps them."""
-    for group in optimizer.param_groups:
-        group["foreach"], group["fused"] = False, True
-        for p in group["params"]:
-            state = optimizer.state.get(p)
-            if state and "step" in state:  # fused keeps the step count next to the parameter
-                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
-
 
 class StepStats:
     """What the training steps count for the host, on the device until read() (a sync) at a log or eval
@@ -292,47 +178,13 @@ class StepStats:
         return in_a_row, longest, count
 
 
-class ZeroGradientCheck:
-    """compile=True: a compiled step that gives parameters an exactly zero gradient trains a model that
-    does not learn, behind a plausible loss (torch 2.11's Dynamo did this to every parameter upstream of
-    a norm: kernels.cast). Once, at the first log iteration at least GRAD_CHECK_STEPS steps into the run
-    (at init a zero-initialised query or projection legitimately passes no gradient upstream), an
-    optimizer pre-hook keeps every gradient's norm on the device; the log iteration's sync reads them
-    and warns, loudly, about each parameter whose gradient was exactly zero. No other step is touched."""
-
-    def __init__(self, model, optimizer, first_iter):
-        self.names = {p: n for n, p in model.named_parameters()}
-        self.due, self.armed, self.norms = first_iter + GRAD_CHECK_STEPS, False, None
-        optimizer.register_step_pre_hook(self.record)
-
-    def arm(self, iter_num, log_interval):
-        self.armed = self.due is not None and iter_num >= self.due and iter_num % log_interval == 0
-
-    def record(self, optimizer, args, kwargs):
-        if self.armed:
-            self.params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            self.norms = torch.stack(torch._foreach_norm([p.grad for p in self.params]))
-            self.armed, self.due = False, None
-
-    def read(self, iter_num):
-        """The warning (a string) if the recorded step gave some parameter a zero gradient, else None."""
-        if self.norms is None:
-            return None
-        zero = [self.names[p] for p, norm in zip(self.params, self.norms.tolist()) if norm == 0]
-        n, self.norms, self.params = len(self.params), None, None
-        if not zero:
-            return None
-        shown = ", ".join(zero[:6]) + (", ..." if len(zero) > 6 else "")
-        return (f"WARNING: the compiled step of iteration {iter_num} gave {len(zero)} of {n} parameters an exactly "
-                f"zero gradient ({shown}): they are not learning. Compare with --compile=False; this torch is "
-                f"{torch.__version__} (the README's 'Tested torch versions' says which are known good)")
-
-
 def train_step(model, raw_model, optimizer, scaler, batches, stats, accum, autocast, grad_clip):
     """One optimizer step over `accum` micro-batches from `batches`; returns the last micro-step's loss
     (a device tensor, divided by accum). A non-finite gradient norm (a NaN/inf loss too: its gradients
-    are NaN) skips the step on the device: fused AdamW gets found_inf, skip_middle's controller keeps
-    lam and mu. Gradients are all-reduced before the norm, so every DDP rank skips the same steps.
+    are NaN) skips the step on the device: fused AdamW (configure_optimizers builds it on every device),
+    given found_inf (the flag GradScaler hands it), leaves parameters, moments and step counts exactly as
+    they were, and the model's after_step keeps a mode's own state (skip_middle's controller: lam, mu).
+    Gradients are all-reduced before the norm, so every DDP rank skips the same steps.
     stats counts a skipped step as bad, except with fp16 (the grad scaler on): there a finite loss
     whose scaled gradients overflowed is the scaler's normal business (update() lowers the scale; not
     counted, not printed), and only a non-finite loss in any micro-step (on any DDP rank: one tiny
@@ -358,16 +210,10 @@ def train_step(model, raw_model, optimizer, scaler, batches, stats, accum, autoc
     else:
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     found_inf = (~torch.isfinite(grad_norm)).float()
-    optimizer.found_inf = found_inf  # read by fused AdamW's step (see use_fused_adamw)
+    optimizer.found_inf = found_inf  # read by fused AdamW's step
     optimizer.step()
     del optimizer.found_inf
-    controller = [raw_model.mod.lam, raw_model.mod.mu] if isinstance(raw_model.mod, SkipMiddle) else []
-    if controller and ddp:
-        pool_gate_stats(raw_model.mod)
-    before = [c.clone() for c in controller]
-    raw_model.after_step()  # skip_middle: the sparsity controller moves lam, mu, but not after a skipped step
-    for c, old in zip(controller, before):
-        c.copy_(torch.where(found_inf > 0, old, c))
+    raw_model.after_step(found_inf)  # a mode's own update (DDP: its statistics pooled over the ranks inside)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     if loss_bad is not None and ddp:
@@ -412,7 +258,8 @@ class Trainer:
     (evaluate), checkpoints and exits at a signal (stop_if_signalled), takes a step (train_step) and
     prints the progress line (after_step). __init__ sets everything up: processes and device, the data
     and the model's configuration (from a checkpoint on resume), the FLOP budget, the model and optimizer,
-    out_dir. Every check comes before out_dir is touched: a start that fails leaves it as it was."""
+    out_dir. Every check comes before out_dir is touched: a start that fails leaves it as it was. What
+    keeps a run from being lost (resume checks, signals, bad steps, checkpoints kept aside) is guards.py's."""
 
     def __init__(self, cfg, argv):
         self.cfg, self.argv = cfg, argv
@@ -460,7 +307,7 @@ class Trainer:
             if ckpt["model_args"]["vocab_size"] != self.vocab_size:
                 raise ConfigError(f"the checkpoint has vocab_size {ckpt['model_args']['vocab_size']} but dataset "
                                   f"{cfg['dataset']} has {self.vocab_size}; use the dataset it was trained on")
-            explicit, self.ckpt_cfg = explicit_keys(self.argv), ckpt.get("config", {})
+            explicit, self.ckpt_cfg = explicit_keys(self.argv), ckpt["config"]
             cfg.update(resolve_model_args(cfg, ckpt["model_args"], explicit))
             cfg.update(resume_budget(cfg, self.ckpt_cfg, explicit))
         for split in ("train", "val"):  # a batch needs block_size + 1 consecutive tokens
@@ -475,48 +322,21 @@ class Trainer:
     def open_out_dir(self):
         """After every check (a failed start leaves out_dir as it was): from scratch, the files of an
         earlier run in out_dir are moved aside, never overwritten."""
-        cfg = self.cfg
-        if cfg["init_from"] == "resume":
-            return
-        if self.master and os.path.exists(self.ckpt_path):
-            # never silently lose a good checkpoint: keep the previous run's aside
-            os.replace(self.ckpt_path, os.path.join(cfg["out_dir"], "ckpt_prev.pt"))
-            if os.path.exists(self.log_path):
-                os.replace(self.log_path, os.path.join(cfg["out_dir"], "log_prev.jsonl"))
-            print(f"{self.ckpt_path} existed: moved it to ckpt_prev.pt (use --init_from=resume to continue it)")
-        elif self.master and os.path.exists(self.log_path):
-            # a log without a checkpoint: a run that stopped before its first save, or eval_only; this run
-            # starts a new log instead of appending to it (there is nothing to resume it from)
-            os.remove(self.log_path)
-            print(f"{self.log_path} existed without a checkpoint: removed it")
+        if self.cfg["init_from"] == "scratch" and self.master:
+            set_aside_previous_run(self.cfg["out_dir"], self.ckpt_path, self.log_path)
 
     def build_model(self, ckpt):
         """The model, AdamW and the fp16 grad scaler, restored from ckpt when resuming; then compiled
         and wrapped in DDP as configured. Prints the start-up line."""
-        cfg, device, gptconf = self.cfg, self.device, self.gptconf
-        self.raw_model = GPT(gptconf).to(device)
+        cfg, device = self.cfg, self.device
+        self.raw_model = GPT(self.gptconf).to(device)
         self.optimizer = self.raw_model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"],
                                                              (cfg["beta1"], cfg["beta2"]), cfg["nag_gate_lr_scale"],
                                                              cfg["nag_gate_decay"])
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg["dtype"] == "float16")
-        self.iter_num, self.best_val_loss, self.flops_base, self.seconds = 0, float("inf"), None, 0.0
+        self.iter_num, self.best_val_loss, self.flops_base, self.seconds = 0, float("inf"), 0.0, 0.0
         if ckpt is not None:
-            self.raw_model.load_state_dict(ckpt["model"])
-            self.optimizer.load_state_dict(ckpt["optimizer"])
-            use_fused_adamw(self.optimizer)
-            if "scaler" in ckpt:
-                self.scaler.load_state_dict(ckpt["scaler"])
-            self.iter_num, self.best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
-            self.flops_base = ckpt.get("flops")  # the realised training FLOPs so far (older checkpoints: None)
-            self.seconds = ckpt.get("seconds", 0.0)  # the training seconds so far: max_seconds goes on from here
-            rngs = ckpt.get("rng", [])
-            if len(rngs) == self.world:
-                torch.set_rng_state(rngs[self.rank]["torch"].cpu())
-                if "cuda" in rngs[self.rank] and device.type == "cuda":
-                    torch.cuda.set_rng_state(rngs[self.rank]["cuda"].cpu(), device)
-            if self.master:
-                print(f"resuming from {self.ckpt_path} at iter {self.iter_num} "
-                      f"(best val loss {self.best_val_loss:.4f})")
+            self.restore(ckpt)
         self.model = self.raw_model
         if cfg["compile"]:
             if self.master:
@@ -525,64 +345,78 @@ class Trainer:
         self.grad_check = ZeroGradientCheck(self.raw_model, self.optimizer, self.iter_num) if cfg["compile"] else None
         self.eval_model = self.model  # evals run the module that trains (compiled or not), in eval mode, without DDP
         if self.ddp:
-            self.model = wrap_ddp(self.model, self.gptconf, device)
-        if self.flops_base is None:
-            self.flops_base = self.iter_num * self.tokens_per_iter * self.flops_per_token
+            self.model = wrap_ddp(self.model, device, self.raw_model.unused_parameters)
         if self.master:
-            mod = f" + mod={gptconf.mod} at mod_rate {gptconf.mod_rate:g}" if gptconf.mod != "none" else ""
-            blocks = (f" in {gptconf.attnres_blocks_used} blocks of {gptconf.attnres_layers_per_block} layer(s)"
-                      if gptconf.residual == "block_attnres" else "")  # may be fewer than attnres_blocks asked
-            print(f"{cfg['residual']}{mod}: {gptconf.n_layer} layers{blocks}, {gptconf.n_embd} wide, "
-                  f"{self.raw_model.get_num_params() / 1e6:.2f}M non-embedding params | {self.device} {cfg['dtype']} | "
-                  f"{self.world} process(es) x {self.accum} micro-steps x {cfg['batch_size']} x {cfg['block_size']} "
-                  f"= {self.tokens_per_iter:,} tokens/iter")
+            print(f"{self.raw_model.describe()}, {self.raw_model.get_num_params() / 1e6:.2f}M non-embedding params | "
+                  f"{self.device} {cfg['dtype']} | {self.world} process(es) x {self.accum} micro-steps x "
+                  f"{cfg['batch_size']} x {cfg['block_size']} = {self.tokens_per_iter:,} tokens/iter")
+
+    def restore(self, ckpt):
+        """Resume: the weights, the optimizer (fused AdamW, as it was saved), the grad scaler, the run so
+        far (iteration, best val loss, realised training FLOPs, training seconds: max_seconds goes on from
+        them) and this rank's RNG."""
+        self.raw_model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.scaler.load_state_dict(ckpt["scaler"])
+        self.iter_num, self.best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
+        self.flops_base, self.seconds = ckpt["flops"], ckpt["seconds"]
+        restore_rng(ckpt["rng"], self.rank, self.world, self.device)
+        if self.master:
+            print(f"resuming from {self.ckpt_path} at iter {self.iter_num} (best val loss {self.best_val_loss:.4f})")
 
     def plan_iterations(self):
-        """max_iters, the LR schedule's lengths and the FLOP count; --max_flops sets them from a budget."""
-        cfg, gptconf = self.cfg, self.gptconf
+        """max_iters, the LR schedule's lengths and the FLOP count; a budget sets them: --max_flops here
+        (plan_flops), --max_seconds at every step boundary (plan_deadline, then plan_seconds)."""
+        cfg = self.cfg
         self.micro_tokens = cfg["batch_size"] * cfg["block_size"]  # per rank and micro-step (block_size: resumed)
         self.tokens_per_iter = self.accum * self.world * self.micro_tokens
         if cfg["lr_decay_iters"] is None:
             cfg["lr_decay_iters"] = cfg["max_iters"]
         if cfg["min_lr"] is None:
             cfg["min_lr"] = cfg["learning_rate"] / 10
-        self.flops_per_token = train_flops_per_token(gptconf)  # MoD nag/router: at the capacity; skip_middle: dense
-        if cfg["max_flops"] is not None:  # iso-FLOP: the budget sets the iterations, and the LR schedule with them
-            follows = cfg["lr_decay_iters"] == cfg["max_iters"]
-            cfg["max_iters"] = iterations_for_budget(cfg["max_flops"], self.flops_per_token, self.tokens_per_iter)
-            cfg["lr_decay_iters"] = cfg["max_iters"] if follows else cfg["lr_decay_iters"]
-            # a budget shorter than the configured warm-up would never reach the peak LR: cap the warm-up
-            # at WARMUP_CAP of the budget's iterations (only ever lowered)
-            warmup_cap = math.ceil(WARMUP_CAP * cfg["max_iters"])
-            capped = cfg["warmup_iters"] > warmup_cap
-            cfg["warmup_iters"] = min(cfg["warmup_iters"], warmup_cap)
-            if self.master:
-                print(f"max_flops {cfg['max_flops']:.3g} at {self.flops_per_token:,.0f} FLOPs/token: "
-                      f"{cfg['max_iters']:,} iters, warmup_iters {cfg['warmup_iters']:,}"
-                      + (f" (capped at {WARMUP_CAP:.0%} of the iters)" if capped else "")
-                      + f", lr_decay_iters {cfg['lr_decay_iters']:,}"
-                      + (" (skip_middle: counted dense, an upper bound; log.jsonl has the realised FLOPs)"
-                         if gptconf.mod == "skip_middle" else ""))
-        if cfg["max_seconds"] is not None:  # equal time: plan_seconds sets the iterations at every step boundary
-            if cfg["max_flops"] is not None:  # after resume_budget: either may come from the checkpoint
-                raise ConfigError("max_flops and max_seconds are two budgets (FLOPs, time): set one of them")
-            if self.ddp:
-                raise ConfigError("max_seconds runs in one process for now (DDP ranks would have to agree on the "
-                                  "deadline): drop torchrun or use --max_flops")
-            self.warmup_asked = cfg["warmup_iters"]  # capped at WARMUP_CAP of each estimate, as with max_flops
-            if self.ckpt_cfg is not None:  # until this process's pace is measured: the plan the checkpoint has
-                cfg["max_iters"] = cfg["lr_decay_iters"] = self.ckpt_cfg.get("max_iters", cfg["max_iters"])
-            if self.master:
-                print(f"max_seconds {cfg['max_seconds']:g}: max_iters, lr_decay_iters and warmup_iters (at most "
-                      f"{WARMUP_CAP:.0%} of the iters) follow the pace measured after the first step; the run ends "
-                      f"at the first step boundary past {cfg['max_seconds']:g} s of training (evals not counted)")
+        self.flops_per_token = train_flops_per_token(self.gptconf)  # MoD at its capacity (counted_dense: dense)
+        if cfg["max_flops"] is not None:
+            self.plan_flops()
+        if cfg["max_seconds"] is not None:
+            self.plan_deadline()
         if self.ckpt_cfg is not None:  # resume_budget's rule: planned from the same inputs, only argv differs
-            for k in ("max_flops", "max_seconds") + (("warmup_iters",) if cfg["max_seconds"] is None else ()):
-                saved = self.ckpt_cfg.get(k, cfg[k])
-                if cfg[k] != saved:
-                    raise ConfigError(f"the checkpoint's run has {k}={saved!r}, not {cfg[k]!r}: resume keeps the "
-                                      f"run's budget; drop --{k} or use another out_dir")
+            check_resumed_budget(cfg, self.ckpt_cfg)
         self.gpu_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None  # MFU
+
+    def plan_flops(self):
+        """max_flops (iso-FLOP): the budget sets the iterations, and the LR schedule with them."""
+        cfg = self.cfg
+        follows = cfg["lr_decay_iters"] == cfg["max_iters"]
+        cfg["max_iters"] = iterations_for_budget(cfg["max_flops"], self.flops_per_token, self.tokens_per_iter)
+        cfg["lr_decay_iters"] = cfg["max_iters"] if follows else cfg["lr_decay_iters"]
+        # a budget shorter than the configured warm-up would never reach the peak LR: cap the warm-up
+        # at WARMUP_CAP of the budget's iterations (only ever lowered)
+        warmup_cap = math.ceil(WARMUP_CAP * cfg["max_iters"])
+        capped = cfg["warmup_iters"] > warmup_cap
+        cfg["warmup_iters"] = min(cfg["warmup_iters"], warmup_cap)
+        if self.master:
+            print(f"max_flops {cfg['max_flops']:.3g} at {self.flops_per_token:,.0f} FLOPs/token: "
+                  f"{cfg['max_iters']:,} iters, warmup_iters {cfg['warmup_iters']:,}"
+                  + (f" (capped at {WARMUP_CAP:.0%} of the iters)" if capped else "")
+                  + f", lr_decay_iters {cfg['lr_decay_iters']:,}"
+                  + (" (MoD without a fixed capacity: counted dense, an upper bound; log.jsonl has the realised "
+                     "FLOPs)" if counted_dense(self.gptconf) else ""))
+
+    def plan_deadline(self):
+        """max_seconds (equal time): plan_seconds sets the iterations at every step boundary."""
+        cfg = self.cfg
+        if cfg["max_flops"] is not None:  # after resume_budget: either may come from the checkpoint
+            raise ConfigError("max_flops and max_seconds are two budgets (FLOPs, time): set one of them")
+        if self.ddp:
+            raise ConfigError("max_seconds runs in one process for now (DDP ranks would have to agree on the "
+                              "deadline): drop torchrun or use --max_flops")
+        self.warmup_asked = cfg["warmup_iters"]  # capped at WARMUP_CAP of each estimate, as with max_flops
+        if self.ckpt_cfg is not None:  # until this process's pace is measured: the plan the checkpoint has
+            cfg["max_iters"] = cfg["lr_decay_iters"] = self.ckpt_cfg.get("max_iters", cfg["max_iters"])
+        if self.master:
+            print(f"max_seconds {cfg['max_seconds']:g}: max_iters, lr_decay_iters and warmup_iters (at most "
+                  f"{WARMUP_CAP:.0%} of the iters) follow the pace measured after the first step; the run ends "
+                  f"at the first step boundary past {cfg['max_seconds']:g} s of training (evals not counted)")
 
     def plan_seconds(self):
         """max_seconds, at a step boundary (host time, no sync): the run ends here once max_seconds of training
@@ -730,20 +564,20 @@ class Trainer:
         """A sync point (log and eval iterations, a checkpoint): read what the steps up to iteration
         last_iter counted on the device; too many bad steps in a row stop the run (on every DDP rank at
         once: their steps skip together), before any checkpoint is written."""
-        cfg = self.cfg
-        in_a_row, longest, skipped = self.stats.read()
-        limit = max(1, cfg["max_bad_steps"])
-        if skipped and self.master:
-            print(f"iter {last_iter}: non-finite loss or gradients, {skipped} step(s) skipped since the last "
-                  f"log ({in_a_row} in a row now, the longest run {longest}, max_bad_steps={cfg['max_bad_steps']})")
-        if longest >= limit:
+        stopped = check_bad_steps(self.stats.read(), last_iter, self.cfg["max_bad_steps"], self.ckpt_path,
+                                  self.master)
+        if stopped:
             self.stop.restore()
-            if self.ddp:
-                dist.destroy_process_group()
-            raise TrainingStopped(
-                f"non-finite loss or gradients for {longest} consecutive steps by iteration {last_iter}: "
-                f"stopped; the last good checkpoint {self.ckpt_path} is kept. "
-                f"Lower --learning_rate or --grad_clip and resume with --init_from=resume")
+            self.leave_processes(barrier=False)
+            raise stopped
+
+    def leave_processes(self, barrier=True):
+        """DDP: leave the process group, after a barrier where every rank gets there (a rank that leaves
+        while rank 0 still evaluates or checkpoints can abort gloo's teardown)."""
+        if self.ddp:
+            if barrier:
+                dist.barrier()
+            dist.destroy_process_group()
 
     # --- a stop by signal, the progress line
 
@@ -764,21 +598,11 @@ class Trainer:
         self.read_stats(self.iter_num - 1)
         rngs, flops = self.all_rng_states(), self.flops_so_far()
         if self.master:
-            # the interrupt checkpoint is the resume point, so it goes to ckpt.pt; when only
-            # improvements are saved, ckpt.pt holds the best model so far: keep it as ckpt_best.pt
-            if not cfg["always_save_checkpoint"] and os.path.exists(self.ckpt_path):
-                best_path = os.path.join(cfg["out_dir"], "ckpt_best.pt")
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(best_path)
-                try:
-                    os.link(self.ckpt_path, best_path)  # a hard link: instant, and ckpt.pt stays in place
-                except OSError:  # a file system without hard links
-                    shutil.copyfile(self.ckpt_path, best_path)
+            if not cfg["always_save_checkpoint"]:  # the interrupt checkpoint is the resume point: ckpt.pt
+                keep_best_checkpoint(self.ckpt_path, cfg["out_dir"])
             self.save(rngs, flops, self.seconds_trained())
         self.stop.restore()  # only now: a repeated signal must not break off the save
-        if self.ddp:
-            dist.barrier()
-            dist.destroy_process_group()
+        self.leave_processes()
         raise Interrupted(f"interrupted by {signal.Signals(signum).name} before iteration {self.iter_num}; "
                           f"checkpoint in {self.ckpt_path}. Resume with: "
                           f"{resume_command(self.argv, cfg['out_dir'], self.world)}" if self.master else "", signum)
@@ -809,26 +633,29 @@ class Trainer:
         self.train_time, self.seconds = self.train_time + t_now - self.t_last, self.seconds + t_now - self.t_last
         self.t_last, self.log_iters, self.flops_mark = t_now, 0, self.stats.flops
         if self.master:
-            left = cfg["max_iters"] - self.iter_num - 1
-            evals_left = (cfg["max_iters"] // cfg["eval_interval"] - self.iter_num // cfg["eval_interval"]
-                          + (cfg["max_iters"] % cfg["eval_interval"] != 0))
-            eta = None
-            if dt:  # the evals left take as long as the last one; until one is timed, as long as a third of
-                # 2 x eval_iters training micro-steps (an eval's forward passes; a micro-step is about 3 of them)
-                eval_s = self.eval_s if self.eval_s is not None else dt / self.accum * 2 * cfg["eval_iters"] / 3
-                eta = left * dt + evals_left * eval_s
             print(log_line(self.iter_num, cfg["max_iters"], loss.item() * self.accum, dt, self.tokens_per_iter,
-                           utilisation, self.lr(self.iter_num), eta))
-            warning = self.grad_check and self.grad_check.read(self.iter_num)
-            if warning:
-                print(f"{'!' * 100}\n{warning}\n{'!' * 100}", file=sys.stderr, flush=True)
+                           utilisation, self.lr(self.iter_num), self.eta(dt)))
+            if self.grad_check:
+                self.grad_check.warn(self.iter_num)
+
+    def eta(self, dt):
+        """Seconds left after this iteration at dt seconds per iteration (None: no step timed yet). The
+        evals left take as long as the last one; until one is timed, as long as a third of 2 x eval_iters
+        training micro-steps (an eval's forward passes; a micro-step is about 3 of them)."""
+        if not dt:
+            return None
+        cfg = self.cfg
+        left = cfg["max_iters"] - self.iter_num - 1
+        evals_left = (cfg["max_iters"] // cfg["eval_interval"] - self.iter_num // cfg["eval_interval"]
+                      + (cfg["max_iters"] % cfg["eval_interval"] != 0))
+        eval_s = self.eval_s if self.eval_s is not None else dt / self.accum * 2 * cfg["eval_iters"] / 3
+        return left * dt + evals_left * eval_s
 
     # --- the loop
 
-    def run(self):
-        """Evaluate (and checkpoint) before iteration iter_num; train it; repeat. Returns the best val loss."""
-        cfg = self.cfg
-        start_iter = self.start_iter = self.iter_num
+    def start_clocks(self):
+        """The loop's counters, timers and step statistics, from this process's first iteration."""
+        self.start_iter = self.iter_num
         self.start_seconds = self.seconds  # max_seconds: the pace is this process's (plan_seconds)
         self.train_time, self.iters_since = 0.0, 0  # training time and iterations since the last eval
         self.t_last, self.log_iters = time.time(), 0  # the last sync point (log, eval) and the iterations since
@@ -839,6 +666,11 @@ class Trainer:
         self.first_step = True  # the first step warms up (compiles): timed alone, outside ms/iter and tok/s
         self.stats = StepStats(self.gptconf, self.micro_tokens, self.device)  # bad steps, MoD: read at log/eval
         self.flops_last = self.flops_base  # the run's training FLOPs at the last eval
+
+    def run(self):
+        """Evaluate (and checkpoint) before iteration iter_num; train it; repeat. Returns the best val loss."""
+        cfg = self.cfg
+        self.start_clocks()
         batches = train_batches(self.paths["train"], cfg["batch_size"], cfg["block_size"], cfg["seed"],
                                 self.iter_num, self.rank * self.accum, self.accum, self.device)
         self.stop = StopSignals().install()  # restored when the loop ends (normally, by a signal or by NaNs)
@@ -848,10 +680,10 @@ class Trainer:
             lr = self.lr(self.iter_num)
             set_lr(self.optimizer, lr)
             if cfg["nag_alpha_warmup_tokens"]:  # on the device, no host read; evals see it too, as in the reference
-                self.raw_model.stream.alpha_scale.fill_(
-                    alpha_warmup(self.iter_num, self.tokens_per_iter, cfg["nag_alpha_warmup_tokens"]))
+                self.raw_model.set_warmup(alpha_warmup(self.iter_num, self.tokens_per_iter,
+                                                       cfg["nag_alpha_warmup_tokens"]))
             is_eval = self.iter_num % cfg["eval_interval"] == 0 or self.iter_num == cfg["max_iters"]
-            if is_eval and (self.iter_num != start_iter or start_iter == 0 or cfg["eval_only"]):
+            if is_eval and (self.iter_num != self.start_iter or self.start_iter == 0 or cfg["eval_only"]):
                 self.evaluate(lr)
             if self.iter_num >= cfg["max_iters"] or cfg["eval_only"]:
                 break
@@ -866,9 +698,7 @@ class Trainer:
         self.stop.restore()
         if self.wandb_run:
             self.wandb_run.finish()
-        if self.ddp:  # wait for rank 0's last eval and checkpoint: a rank leaving early can abort gloo's teardown
-            dist.barrier()
-            dist.destroy_process_group()
+        self.leave_processes()  # after rank 0's last eval and checkpoint
         return self.best_val_loss
 
 

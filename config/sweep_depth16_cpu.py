@@ -1,7 +1,7 @@
-# The 16-layer cells of the depth experiment (README, "Experiment: the stream against depth") at 3 seeds:
+# The 16-layer cells of the depth experiment (docs/experiments.md, "The stream against depth") at 3 seeds:
 # every residual mode, the quickstart recipe at 1000 iterations (not iso-FLOP: the same iterations and
 # tokens for every mode), with diagnostics. block_attnres uses its default 8 blocks (of 2 layers), against
-# full attnres. 15 runs, about 2 hours on 2 cores:
+# full attnres. 15 runs, two at a time: 70 minutes on 2 cores (measured, with other work on the machine):
 # OMP_NUM_THREADS=1 python flops.py sweep config/sweep_depth16_cpu.py
 
 sweep_name = "sweep_depth16_cpu"

@@ -1,4 +1,4 @@
-# Does the head explain why mod=nag loses to dense nag at equal training FLOPs (README, "Experiment: MoD
+# Does the head explain why mod=nag loses to dense nag at equal training FLOPs (docs/experiments.md, "MoD
 # against dense at equal training FLOPs")? With the default head (nag_head=cosine) the logits' scale is
 # e^s, and a token that skips a sublayer keeps a lower s; the sqrt_d head adds a learned g_dec. The nag
 # cells of config/sweep_mod_cpu.py, at the same budget, with --nag_head=sqrt_d. 3 seeds, 6 runs:

@@ -12,7 +12,7 @@ depths, residuals = [], []  # no grid: the cells are named below
 _nag = {"residual": "nag", "n_layer": 16}
 runs = [
     ("default", _nag),
-    ("head_sqrt_d", {**_nag, "nag_head": "sqrt_d"}),  # the earlier head: e^(s + g_dec) W r / sqrt(d)
+    ("head_sqrt_d", {**_nag, "nag_head": "sqrt_d"}),  # logits e^(s + g_dec) W r / sqrt(d): sqrt(d) larger, a learned g_dec
     ("no_floor", {**_nag, "nag_m_floor": 0.0}),  # mixture not clamped before the power beta
     ("gate_decay", {**_nag, "nag_gate_decay": True}),  # weight decay 0.1 on the modulator matrices
     ("gate_lr_0.05", {**_nag, "nag_gate_lr_scale": 0.05}),  # the reference's gate LR / matrix LR

@@ -1,9 +1,9 @@
 # skip_middle given the iterations its realised FLOPs buy (the caveat of config/sweep_skip_middle_cpu.py):
-# there its iterations came from its dense count, and its three seeds spent 81.4% of the budget (mean of
+# there its iterations come from its dense count, and its three seeds spend 81.4% of the budget (mean of
 # 6.87, 5.79, 6.61e12). This cell is given that budget / 0.814 counted dense (9.69e12: 1228 iterations),
 # which it spends as about the 7.89e12 of the other cells. Compared with them through
 # python flops.py results docs/sweep_skip_middle_cpu.csv docs/sweep_skip_middle_realised_cpu.csv --baseline=sandwich_L6
-# 3 seeds, 3 runs, about 6 minutes on 2 cores:
+# 3 seeds, 3 runs, two at a time on 2 cores: about 8 minutes a run (measured):
 # OMP_NUM_THREADS=1 python flops.py sweep config/sweep_skip_middle_realised_cpu.py
 
 sweep_name = "sweep_skip_middle_realised_cpu"

@@ -14,10 +14,16 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig
+from model import RESIDUALS  # noqa: E402
 
 EPS = 1e-6  # the model's RMSNorm epsilon
 TOL = dict(rtol=1e-10, atol=1e-10)  # float64 end to end
 
+
+
+def blocks_used(config):
+    """The sources a residual=attnres/block_attnres model ends with, besides the embedding."""
+    return sum(RESIDUALS[config.residual].block_ends(config))
 
 def tiny(residual="block_attnres", **kw):
     args = dict(block_size=8, vocab_size=65, n_layer=4, n_head=2, n_embd=16, residual=residual)
@@ -70,7 +76,8 @@ def reference_logits(model, idx, layers_per_block, record=None, **ablation):
     rope = model.rope[:T]
 
     def sublayer(l, h):  # f_l(RMSNorm_l(h)), the pre-norm with its own learned weight
-        return model.sublayers[l](rms_norm(h, mixer.norms[l].weight), rope)
+        x = rms_norm(h, mixer.norms[l].weight)
+        return model.sublayers[l](x, rope) if l % 2 == 0 else model.sublayers[l](x)
 
     def read(l, sources):
         # sublayer 1 has the embedding alone: softmax gives it weight 1 (a sigmoid gate would scale it
@@ -123,7 +130,7 @@ def test_block_attnres_equals_the_reference(n_layer, blocks):
     k = math.ceil(n_layer / (blocks or min(8, n_layer)))
     ref, used = reference_logits(model, idx, k)
     torch.testing.assert_close(logits, ref, **TOL)
-    assert used == config.attnres_blocks_used == math.ceil(n_layer / k)
+    assert used == blocks_used(config) == math.ceil(n_layer / k)
 
 
 def test_attnres_equals_the_reference_eqs_2_to_4():
@@ -132,7 +139,7 @@ def test_attnres_equals_the_reference_eqs_2_to_4():
     logits, _ = model(idx, idx)
     ref, used = reference_logits(model, idx, None)
     torch.testing.assert_close(logits, ref, **TOL)
-    assert used == model.config.attnres_blocks_used == 6
+    assert used == blocks_used(model.config) == 6
 
 
 def test_block_attnres_with_one_layer_per_block_is_not_full_attnres():
@@ -152,11 +159,11 @@ def test_no_boundary_splits_a_layer():
     for L in range(1, 10):
         for N in range(1, L + 1):
             config = tiny(n_layer=L, attnres_blocks=N)
-            ends = [l for l in range(2 * L) if config.ends_depth_block(l)]
+            ends = [l for l in range(2 * L) if RESIDUALS[config.residual].block_ends(config)[l]]
             k = math.ceil(L / N)
             assert all(l % 2 == 1 for l in ends), (L, N)  # only after an MLP
             assert ends == [2 * j + 1 for j in range(L) if (j + 1) % k == 0 or j + 1 == L], (L, N)
-            assert config.attnres_blocks_used == len(ends) == math.ceil(L / k), (L, N)
+            assert blocks_used(config) == len(ends) == math.ceil(L / k), (L, N)
 
 
 def sources_read(model, idx):
@@ -181,7 +188,7 @@ def test_sources_per_sublayer(n_layer, blocks, counts):
     (27, 9, 9),  # the paper's 48B model: 27 layers (54 sublayers), blocks of 3 layers (6 sublayers)
 ])
 def test_blocks_used(n_layer, blocks, used):
-    assert tiny(n_layer=n_layer, attnres_blocks=blocks).attnres_blocks_used == used
+    assert blocks_used(tiny(n_layer=n_layer, attnres_blocks=blocks)) == used
 
 
 @pytest.mark.parametrize("blocks", [0, -1, 5, 8, 2.5, True])

@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 
 import flops
 from model import GPT, GPTConfig
+from model import TopKMoD  # noqa: E402
 from test_mod import spy_routes
 from test_step_sync import HostReads
 
@@ -115,7 +116,7 @@ def train_logits(model, idx):
 def test_block_routing_is_eq1_of_the_paper(residual, every):
     model = model_fp64(residual=residual, mod_every=every, mod_rate=0.25)
     idx = torch.randint(0, V, (2, T))
-    keep = model.config.mod_keep
+    keep = TopKMoD.keep_fraction(model.config)
     assert keep == (0.75 if every == 1 else 0.5)  # mod_rate is the overall skipped fraction
     expected = reference_logits(model, idx, every=every, keep=keep)
     torch.testing.assert_close(train_logits(model, idx), expected, rtol=1e-6, atol=1e-6)
@@ -128,7 +129,7 @@ def test_block_layout_shares_one_route_and_sublayer_layout_does_not(monkeypatch)
     idx = torch.randint(0, V, (2, T))
     block = model_fp64(mod_layout="block")
     seen = spy_routes(monkeypatch, block)
-    expected = reference_logits(block, idx, keep=block.config.mod_keep)
+    expected = reference_logits(block, idx, keep=TopKMoD.keep_fraction(block.config))
     train_logits(block, idx)
     assert len(block.mod.routers) == L and all(seen[2 * b][1] is seen[2 * b + 1][1] for b in range(L))
     # the same model routed per sublayer, each MLP's router a copy of its block's: the MLP now
@@ -146,14 +147,14 @@ def test_block_layout_shares_one_route_and_sublayer_layout_does_not(monkeypatch)
 
 def test_mod_every_routes_every_kth_block_and_keeps_mod_rate_overall():
     model = model_fp64(mod_every=2, mod_rate=0.25)
-    assert model.config.mod_routed == (0, 1, 4, 5) and len(model.mod.routers) == 2
+    assert TopKMoD.routed(model.config) == (0, 1, 4, 5) and len(model.mod.routers) == 2
     train_logits(model, torch.randint(0, V, (2, T)))
     frac = model.executed_fraction()
     assert frac == [0.5, 0.5, 1.0, 1.0, 0.5, 0.5, 1.0, 1.0]  # odd blocks dense
     assert 1 - sum(frac) / len(frac) == 0.25  # mod_rate: the skipped share of (token, sublayer) pairs
     assert flops.forward_flops(model.config) == flops.forward_flops(model.config, frac)
     # the paper's recipe: 12.5% capacity in every other block
-    assert config(mod_every=2, mod_rate=0.4375, block_size=64).mod_keep == 0.125
+    assert TopKMoD.keep_fraction(config(mod_every=2, mod_rate=0.4375, block_size=64)) == 0.125
     # mod_every=1 routes the odd blocks too, and so leaves the reference
     idx = torch.randint(0, V, (2, T))
     every1 = model_fp64(mod_every=1, mod_rate=0.25)
@@ -167,7 +168,7 @@ def test_raw_weight_is_eq1_and_sigmoid_is_a_switch():
     idx = torch.randint(0, V, (2, T))
     raw, sig = model_fp64(router_weight="raw"), model_fp64(router_weight="sigmoid")
     assert all(torch.equal(p, sig.get_parameter(name)) for name, p in raw.named_parameters())
-    keep = raw.config.mod_keep
+    keep = TopKMoD.keep_fraction(raw.config)
     eq1, with_sigmoid = reference_logits(raw, idx, keep=keep), reference_logits(raw, idx, torch.sigmoid, keep=keep)
     torch.testing.assert_close(train_logits(raw, idx), eq1, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(train_logits(sig, idx), with_sigmoid, rtol=1e-6, atol=1e-6)
@@ -318,5 +319,5 @@ def test_kv_cache_sampling_equals_recomputation(residual):
         cached = model.generate(prompt, 10, temperature=0, kv_cache=True)
         stats = model.generate_stats
         assert torch.equal(cached, model.generate(prompt, 10, temperature=0, kv_cache=False))
-    routed = [e / stats["tokens"] for l, e in enumerate(stats["executed"]) if l in model.config.mod_routed]
+    routed = [e / stats["tokens"] for l, e in enumerate(stats["executed"]) if l in TopKMoD.routed(model.config)]
     assert any(0 < f < 1 for f in routed), routed

@@ -247,16 +247,3 @@ def test_diagnostics_floor_fraction_and_dead_branches():
     assert rows[1]["gain"] == pytest.approx(model.stream.alpha[1].item() * 1e-6)  # beta = 1: a = alpha 1e-6
     assert rows[2]["floor"] == 0.0 and rows[2]["dead"] == 0.0
     assert rows[-1]["kind"] == "head" and rows[-1]["dead"] == 1
-
-
-def test_checkpoint_from_before_the_nag_options_loads_as_it_was_trained(tmp_path):
-    """A nag checkpoint without nag_head was trained with the sqrt_d head and no floor: it keeps them."""
-    from dataclasses import asdict
-
-    from run_config import load_checkpoint
-    model = GPT(tiny(nag_head="sqrt_d", nag_m_floor=0.0))
-    args = {k: v for k, v in asdict(model.config).items() if k not in ("nag_head", "nag_m_floor")}
-    torch.save({"model": model.state_dict(), "model_args": args, "iter_num": 0}, tmp_path / "ckpt.pt")
-    ckpt = load_checkpoint(str(tmp_path / "ckpt.pt"), "cpu")
-    GPT(GPTConfig(**ckpt["model_args"])).load_state_dict(ckpt["model"])  # strict: g_dec is a parameter again
-    assert ckpt["model_args"]["nag_m_floor"] == 0.0

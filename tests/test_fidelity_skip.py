@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from model import GPT, CausalSelfAttention, GPTConfig, SkipMiddle, rope_table
+from model import Visibility  # noqa: E402
 
 L, T, C, H, V, B = 6, 16, 32, 2, 65, 2
 F64 = torch.float64
@@ -212,8 +213,8 @@ def test_query_axis_bias_is_cancelled_by_softmax_and_key_axis_is_not():
     rope = rope_table(C // H, T).to(F64)
     log_g = torch.log(torch.rand(B, T, dtype=F64).clamp(1e-6, 1.0))
     plain = attn(x, rope)
-    torch.testing.assert_close(attn(x, rope, query_bias=log_g), plain, rtol=1e-12, atol=1e-12)
-    assert (attn(x, rope, key_bias=log_g) - plain).abs().max() > 1e-2
+    torch.testing.assert_close(attn(x, rope, Visibility(query_bias=log_g)), plain, rtol=1e-12, atol=1e-12)
+    assert (attn(x, rope, Visibility(key_bias=log_g)) - plain).abs().max() > 1e-2
 
 
 def test_query_axis_model_runs_every_token_and_its_bias_does_nothing(monkeypatch):

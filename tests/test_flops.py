@@ -25,6 +25,7 @@ import run_config  # noqa: E402
 import train  # noqa: E402
 from configurator import ConfigError, configure  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from model import MODS, RESIDUALS, TopKMoD  # noqa: E402
 
 aten = torch.ops.aten
 
@@ -54,11 +55,11 @@ def counted_flops(config, B=2):
     return count_forward(model, torch.randint(0, config.vocab_size, (B, config.block_size)))
 
 
-def matmul_part(parts):
-    return sum(v for k, v in parts.items() if k in flops.MATMUL)
+def matmul_part(parts, config):
+    return sum(v for k, v in parts.items() if k in flops.matmul_parts(config))
 
 
-CONFIGS = [dict(residual=r) for r in ("prenorm", "sandwich", "nag", "attnres", "block_attnres")] + [
+CONFIGS = [dict(residual=r) for r in RESIDUALS] + [
     dict(residual="block_attnres", attnres_blocks=3), dict(residual="block_attnres", attnres_query="input"),
     dict(residual="nag", nag_channels=8)]
 
@@ -67,7 +68,7 @@ CONFIGS = [dict(residual=r) for r in ("prenorm", "sandwich", "nag", "attnres", "
 def test_matmul_flops_match_flop_counter(kw):
     config = GPTConfig(block_size=48, vocab_size=65, n_layer=3, n_head=2, n_embd=32, kernels="torch", **kw)
     parts = flops.forward_flops(config)
-    analytic = matmul_part(parts)
+    analytic = matmul_part(parts, config)
     assert counted_flops(config) == pytest.approx(analytic, rel=0.02)
     # what the counter does not see is only the small extras (AttnRes depth mixing)
     assert sum(parts.values()) - analytic <= 0.05 * analytic
@@ -105,7 +106,7 @@ def test_mod_defaults_and_extras():
     d, n = 32, 4
     # top-k modes: without a measured fraction, every sublayer runs its training capacity k / T
     nag = GPTConfig(**base, residual="nag", mod="nag", mod_rate=0.25)
-    assert nag.mod_keep == 48 / 64
+    assert TopKMoD.keep_fraction(nag) == 48 / 64
     assert flops.forward_flops(nag) == flops.forward_flops(nag, [0.75] * n)
     assert flops.forward_flops(nag)["mlp"] == 0.75 * flops.forward_flops(GPTConfig(**base, residual="nag"))["mlp"]
     # the router: 2d per router (a block's, or a sublayer's), on every token; at mod_rate 0 the model
@@ -118,14 +119,13 @@ def test_mod_defaults_and_extras():
     # skip_middle: no fixed capacity (dense unless measured), plus L/2 gate producers of 2d each
     skip = GPTConfig(**base, residual="sandwich", mod="skip_middle", mod_rate=0.25)
     parts = flops.forward_flops(skip)
-    assert parts["skip_gates"] == 2 * d * 1 and "skip_gates" in flops.MATMUL
+    assert parts["skip_gates"] == 2 * d * 1 and "skip_gates" in flops.matmul_parts(skip)
     assert {k: v for k, v in parts.items() if k != "skip_gates"} == flops.forward_flops(
         GPTConfig(**base, residual="sandwich"))
     assert flops.train_flops_per_token(skip, [0.5] * n) < flops.train_flops_per_token(skip)
 
 
-MOD_CONFIGS = [dict(residual="nag", mod="nag"), dict(residual="prenorm", mod="router"),
-               dict(residual="attnres", mod="router"), dict(residual="sandwich", mod="skip_middle")]
+MOD_CONFIGS = [dict(residual=r, mod=m) for m in MODS if MODS[m] for r, cls in RESIDUALS.items() if m in cls.mods]
 
 
 @pytest.mark.parametrize("train_mode", [True, False], ids=["train", "eval"])
@@ -154,14 +154,14 @@ def test_mod_flops_follow_the_executed_fraction(kw, train_mode):
     frac = model.executed_fraction()
     assert all(0 < f <= 1 for f in frac) and sum(frac) / len(frac) < 0.8  # tokens were skipped
     if train_mode and kw["mod"] != "skip_middle":
-        assert frac == pytest.approx([config.mod_keep] * config.n_sublayers)
-    predicted = matmul_part(flops.forward_flops(config, frac))
+        assert frac == pytest.approx([TopKMoD.keep_fraction(config)] * config.n_sublayers)
+    predicted = matmul_part(flops.forward_flops(config, frac), config)
     assert counted == pytest.approx(predicted, rel=0.03)
     # real savings: the dense model of the same shape counts more, by the predicted amount
     dense_config = GPTConfig(**{**config.__dict__, "mod": "none", "mod_rate": 0.0})
     dense = counted_flops(dense_config)
     assert counted < 0.85 * dense
-    assert dense - counted == pytest.approx(matmul_part(flops.forward_flops(dense_config)) - predicted, rel=0.05)
+    assert dense - counted == pytest.approx(matmul_part(flops.forward_flops(dense_config), dense_config) - predicted, rel=0.05)
 
 
 def test_sdpa_count_with_a_mask_is_the_full_rectangle():
@@ -187,7 +187,7 @@ def test_attnres_sources_follow_the_model(residual, blocks, monkeypatch):
     config = GPTConfig(block_size=8, vocab_size=65, n_layer=4, n_head=2, n_embd=32, residual=residual,
                        attnres_blocks=blocks)
     GPT(config)(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
-    counts = flops.attnres_sources(config)
+    counts = RESIDUALS[config.residual].source_counts(config)
     assert counts[0] == 0 and counts[1:] == seen  # sublayer 1 reads the embedding without mixing
     if blocks == 3:  # L = 4, N = 3: blocks of k = ceil(4 / 3) = 2 whole layers
         assert counts == [0, 2, 2, 2, 2, 3, 3, 3, 3]
@@ -309,6 +309,8 @@ final = 3 + L / 10 + seed / 100
 with open(os.path.join(args["out_dir"], "log.jsonl"), "a") as f:
     for it, loss in ((0, 4.5), (1, final - 0.05), (iters, final)):
         rec = {"iter": it, "tokens": 128 * it, "val_loss": loss, "flops": 1000.0 * L * 128 * it}
+        if it:  # the pace of the interval before each eval: the run's s_per_iter is their median
+            rec["ms_per_iter"] = 10.0 * L * it
         if mod != "none":
             rec.update(exec_train=[0.75] * 2 * L if it else None, exec_eval=[0.5, 0.7] * L)
         f.write(json.dumps(rec) + "\n")
@@ -438,7 +440,7 @@ def test_sweep_runs_train_py(data_dir, tmp_path):
     assert row["train_flops_per_token"] == pytest.approx(per_token)  # realised: mod_keep of every sublayer
     assert row["train_flops_per_token"] < flops.train_flops_per_token(mod_config, [1.0] * 2)
     log = run_config.load_log(tmp_path / "s" / "nag_L1_nag0.25")
-    assert all(r["exec_train"] == [mod_config.mod_keep] * 2 for r in log if r["iter"] > 0)
+    assert all(r["exec_train"] == [TopKMoD.keep_fraction(mod_config)] * 2 for r in log if r["iter"] > 0)
     assert 3.0 < row["val_loss"] < 4.6  # near ln(65) = 4.17 after 3 iterations
 
 
@@ -481,6 +483,7 @@ def test_sweep_seeds_named_runs_and_parallel_jobs(data_dir, tmp_path, capsys, mo
                        "--n_layer=1", *wide, f"--seed={r['seed']}"]
         assert r["val_loss"] == fake_log(1, r["seed"])[0]
     assert all(r["iters"] == 3 for r in rows)
+    assert all(r["s_per_iter"] == pytest.approx((10.0 + 30.0) / 2 / 1000) for r in rows)  # median of 10 and 30 ms
     assert rows[1]["params"] > rows[0]["params"] and rows[1]["args"] == "--n_embd=64" and rows[0]["args"] == ""
     with open(root / "results.csv") as f:
         assert [(r["run"], r["seed"]) for r in csv.DictReader(f)] == [(r["run"], str(r["seed"])) for r in rows]
@@ -518,9 +521,12 @@ def test_sweep_seeds_named_runs_and_parallel_jobs(data_dir, tmp_path, capsys, mo
 def test_results_from_a_csv_test_each_cell_against_its_baseline(tmp_path, capsys):
     """flops.py results FILE.csv: results.md's tables from a results.csv alone (docs/ keeps those), each
     cell against the first cell of its depth or --baseline; the numbers are run_config.welch's
-    (tests/test_stats.py), so a cell paired with the wrong baseline, or wrong losses, fails."""
+    (tests/test_stats.py), so a cell paired with the wrong baseline, or wrong losses, fails. Each cell's
+    median s_per_iter over its baseline's (a CSV without the column: seconds / iters) ends the row."""
     losses = {"a_L2": [1.90, 1.92, 1.91], "b_L2": [1.80, 1.81, 1.83], "c_L4": [1.70, 1.78, 1.72],
               "d_L4": [1.69, 1.73, 1.70]}
+    paces = {"a_L2": [0.10, 0.12, 0.11], "b_L2": [0.30, 0.22, 0.20]}  # medians 0.11 and 0.22; c, d: 10 s / 100 iters
+    seconds = {"c_L4": [10.0, 10.0, 10.0], "d_L4": [24.0, 25.0, 26.0]}  # 0.1 and 0.25 s per iteration
     path = tmp_path / "results.csv"
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, flops.FIELDS)
@@ -529,7 +535,9 @@ def test_results_from_a_csv_test_each_cell_against_its_baseline(tmp_path, capsys
             for seed, v in enumerate(vals, 1):
                 w.writerow({"run": f"{cell}_s{seed}", "cell": cell, "seed": seed, "residual": "nag",
                             "n_layer": int(cell[-1]), "mod": "", "mod_rate": 0.0, "args": "", "status": "done",
-                            "iters": 100, "val_loss": v, "best_val_loss": v - 0.01, "seconds": 10.0})
+                            "iters": 100, "val_loss": v, "best_val_loss": v - 0.01,
+                            "seconds": seconds.get(cell, [10.0] * 3)[seed - 1],
+                            "s_per_iter": paces[cell][seed - 1] if cell in paces else ""})
 
     def rows(*options):
         text = flops.main(["results", str(path), *options]) or capsys.readouterr().out
@@ -538,12 +546,12 @@ def test_results_from_a_csv_test_each_cell_against_its_baseline(tmp_path, capsys
                 if r and r[0] in losses}
     got = rows()
     assert set(got) == {"b_L2", "d_L4"}  # a and c are the baselines of their depths
-    assert got["b_L2"] == ["a_L2", *run_config.significance_cells(losses["b_L2"], losses["a_L2"])]
-    assert got["d_L4"] == ["c_L4", *run_config.significance_cells(losses["d_L4"], losses["c_L4"])]
+    assert got["b_L2"] == ["a_L2", *run_config.significance_cells(losses["b_L2"], losses["a_L2"]), "2.00x"]
+    assert got["d_L4"] == ["c_L4", *run_config.significance_cells(losses["d_L4"], losses["c_L4"]), "2.50x"]
     assert got["b_L2"][3].endswith("*") and not got["d_L4"][3].endswith("*")
     got = rows("--baseline=b_L2")
     assert set(got) == {"a_L2", "c_L4", "d_L4"}
-    assert got["d_L4"] == ["b_L2", *run_config.significance_cells(losses["d_L4"], losses["b_L2"])]
+    assert got["d_L4"] == ["b_L2", *run_config.significance_cells(losses["d_L4"], losses["b_L2"]), "1.14x"]
     with pytest.raises(ConfigError, match="baseline='e' is not a cell"):
         flops.main(["results", str(path), "--baseline=e"])
     with pytest.raises(ConfigError, match="no results file"):

@@ -4,8 +4,10 @@ sliced) and storage dtypes; then the custom ops under torch.compile, and the mem
 attention saves.
 
 On CPU the GPU path runs in Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py) inside
-kernels.triton_on_cpu(): the public function with impl="triton" -> the custom op -> the Triton
-launchers and kernels, forward and backward, exactly as on a GPU. The interpreter stores fp16 and
+triton_on_cpu() (tests/triton_cpu.py): the public function with impl="triton" -> the custom op ->
+the Triton launchers and kernels, forward and backward, exactly as on a GPU. The reference is the
+public function with impl="torch": kernels.py's one PyTorch forward and backward per kernel (the
+same functions are the ops' CPU implementation). The interpreter stores fp16 and
 bf16 as the GPU does and computes in fp32 as the kernels ask, so all three dtypes are tested here;
 it is slow, so large widths come with few rows.
 
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from triton_cpu import kernel_ops, triton_on_cpu
 
 triton = pytest.importorskip("triton")
 CUDA = torch.cuda.is_available()
@@ -40,7 +43,7 @@ LAYOUTS = ["contiguous", "transposed", "sliced"]
 
 def gpu_path():
     """The Triton kernels: on CPU tensors, through the interpreter."""
-    return contextlib.nullcontext() if CUDA else kernels.triton_on_cpu()
+    return contextlib.nullcontext() if CUDA else triton_on_cpu()
 
 
 def in_layout(t, layout):
@@ -113,8 +116,9 @@ def test_rms_norm_no_weight_and_layouts(rows, d, layout):
     compare(lambda x, impl: kernels.rms_norm(x, impl=impl), [x], torch.float32, layout)
 
 
-def test_rms_norm_reference_matches_autograd():
-    """The reference's hand-written backward against autograd through its own formula, in fp64."""
+def test_rms_norm_reference_gradcheck():
+    """The reference's hand-written backward against finite differences (gradcheck, fp64), and its
+    forward against F.rms_norm."""
     torch.manual_seed(0)
     x = torch.randn(3, 5, 17, dtype=torch.float64, requires_grad=True)
     w = torch.randn(17, dtype=torch.float64, requires_grad=True)
@@ -129,8 +133,8 @@ def test_rms_norm_reference_bf16_backward_rounds_once(w_dtype):
     output and gradient is the exact value rounded once to its storage dtype, within half an ulp
     (2^-8 relative in bf16) of fp64 on the same inputs; bf16 intermediates (products, the <g, x_hat>
     dot, the addcmul that nearly cancels) are off by many ulps. The rows are powers of two >= 1 times
-    random-sign permutations of 64 values k/8 whose mean square is exactly 1, so the x_hat the forward
-    saves in bf16 is exact too (and eps moves it < 1e-6): it adds no rounding of its own."""
+    random-sign permutations of 64 values k/8 whose mean square is exactly 1, so that x_hat is exact
+    (eps moves it < 1e-6) even stored in bf16: the bound measures the outputs' own rounding."""
     g = torch.Generator().manual_seed(0)
     R, d = 64, 64
     row = torch.tensor([5] * 20 + [7] * 20 + [9] * 12 + [11] * 8 + [13] * 4, dtype=torch.float64) / 8
@@ -204,11 +208,15 @@ def test_nag_update_broadcast_tangent_and_batch_dims():
 
 
 def test_nag_update_reference_gradcheck():
+    """The reference's hand-written backward (the backward kernel's steps) against finite
+    differences, fp64; a broadcast over rows included."""
     torch.manual_seed(0)
     r = unit_rms_centred(4, 9).double().requires_grad_()
     u = torch.randn(4, 9, dtype=torch.float64, requires_grad=True)
     a = torch.rand(4, 1, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda r, u, a: kernels.nag_update(r, u, a, impl="torch"), (r, u, a))
+    a1 = torch.tensor([0.4], dtype=torch.float64, requires_grad=True)  # one tangent for every row
+    for tangent in (a, a1):
+        assert torch.autograd.gradcheck(lambda r, u, a: kernels.nag_update(r, u, a, impl="torch"), (r, u, tangent))
 
 
 # -----------------------------------------------------------------------------
@@ -259,7 +267,8 @@ def test_depth_attention_stacked_sources(layout):
 
 
 def test_depth_attention_batch_dims_and_definition():
-    """[B, T, d] sources; and the reference against the definition, one source at a time."""
+    """[B, T, d] sources: the reference against the definition, one source at a time, and the
+    Triton kernels against the reference."""
     torch.manual_seed(0)
     sources = [torch.randn(2, 3, 24, dtype=torch.float64) for _ in range(4)]
     q, w = torch.randn(24, dtype=torch.float64), torch.rand(24, dtype=torch.float64) + 0.5
@@ -267,8 +276,6 @@ def test_depth_attention_batch_dims_and_definition():
     weights = torch.softmax(scores, dim=0)
     torch.testing.assert_close(kernels.depth_attention(sources, q, w, impl="torch"),
                                sum(wt.unsqueeze(-1) * v for wt, v in zip(weights, sources)))
-    torch.testing.assert_close(kernels.depth_scores(sources, q, w), scores)
-    torch.testing.assert_close(kernels.depth_scores(torch.stack(sources), q, w), scores)
     compare(depth_fn, [*[v.float() for v in sources], q.float(), w.float()], torch.float32)
 
 
@@ -378,8 +385,39 @@ def test_opcheck(path):
             torch.library.opcheck(op, args)
 
 
+# the six kernels the launchers launch (_log1p and _source are helpers that kernels call)
+LAUNCHED = ("_rms_norm_fwd", "_rms_norm_bwd", "_nag_fwd", "_nag_bwd", "_depth_attention_fwd", "_depth_attention_bwd")
+
+
+def test_gpu_path_launches_the_triton_kernels(monkeypatch):
+    """compare() measures the Triton kernels, not the reference against itself: inside gpu_path()
+    impl="triton" launches every kernel, forward and backward, and impl="torch" launches none.
+    (On CPU, triton_on_cpu() switches off the CPU implementation of every op kernels.py defines.)"""
+    launched = []
+
+    class Recording:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.kernel[grid]
+
+    for name in LAUNCHED:
+        monkeypatch.setattr(kernels, name, Recording(name, getattr(kernels, name)))
+    assert len(kernel_ops()) == 6  # a forward and a backward op per kernel
+    inputs = kernel_inputs()
+    for impl, want in (("torch", set()), ("triton", set(LAUNCHED))):
+        launched.clear()
+        with gpu_path():
+            outs = all_kernels(*inputs, impl=impl)
+            sum(o.float().sum() for o in outs).backward()
+        assert set(launched) == want, impl
+
+
 def test_ops_cpu_gradcheck():
-    """The ops' CPU implementations (forward and the backward ops' hand-written formulas), fp64."""
+    """The ops on CPU tensors, fp64: their CPU implementations (the references) through the ops'
+    registered autograd (setup_context, the backward ops), against finite differences."""
     inputs = kernel_inputs(torch.float64, rows=3, d=7, device="cpu")
     x, w, r, u, a, s0, s1, s2, q = [t.detach().requires_grad_() for t in inputs]
     assert torch.autograd.gradcheck(lambda *t: all_kernels(*t), (x, w, r, u, a, s0, s1, s2, q))
@@ -467,8 +505,9 @@ def test_model_same_loss_and_gradients_with_either_impl(residual):
     results = []
     for impl in ("triton", "torch"):
         torch.manual_seed(0)
+        blocks = dict(attnres_blocks=2) if residual == "block_attnres" else {}  # an option of that mode alone
         config = GPTConfig(block_size=16, vocab_size=65, n_layer=2, n_head=2, n_embd=48, residual=residual,
-                           attnres_blocks=2, kernels=impl)
+                           kernels=impl, **blocks)
         model = GPT(config).to(DEVICE)
         with torch.no_grad():  # off the init, so that AttnRes queries and norm weights matter
             for p in model.stream.parameters():

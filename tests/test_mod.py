@@ -9,12 +9,20 @@ import torch.nn.functional as F
 
 from model import (GPT, CausalSelfAttention, GPTConfig, KVCache, SkipMiddle, apply_rope, capacity, mask_route,
                    rope_table, topk_route)
+from model import MODS, RESIDUALS, TopKMoD, Visibility  # noqa: E402
 
-# (mod, residual, extra config): every routed pairing; block_attnres with 2 blocks of 1 layer,
-# so that a write lands in a running partial sum as well as in a finished block
-ROUTED = [("nag", "nag", {}), ("router", "prenorm", {}), ("router", "sandwich", {}), ("router", "attnres", {}),
-          ("router", "block_attnres", {"attnres_blocks": 2})]
-SKIP = ("skip_middle", "sandwich", {})
+def pairings():
+    """(mod, residual, extra config) for every pairing the registries allow (a residual mode's `mods`);
+    block_attnres with 2 blocks of 1 layer, so that a write lands in a running partial sum as well
+    as in a finished block."""
+    return [(m, r, {"attnres_blocks": 2} if "attnres_blocks" in cls.options else {})
+            for m in MODS if MODS[m] for r, cls in RESIDUALS.items() if m in cls.mods]
+
+
+PAIRS = pairings()
+ROUTED = [p for p in PAIRS if issubclass(MODS[p[0]], TopKMoD)]  # top-k routing: nag, router
+GATED = [p for p in PAIRS if not issubclass(MODS[p[0]], TopKMoD)]  # skip_middle's gates
+FIRST = [next(p for p in PAIRS if p[0] == m) for m in dict.fromkeys(p[0] for p in PAIRS)]  # one pairing per mod
 
 
 def config(mod, residual, **kw):
@@ -73,15 +81,15 @@ def kept_masks(seen, B, T):
 # config errors name the fix
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(mod="nag", residual="prenorm"), "mod=nag does not work with residual=prenorm; use residual=nag"),
-    (dict(mod="router", residual="nag"), "use mod=nag: nag routes by its own modulator"),
-    (dict(mod="skip_middle", residual="prenorm"), "use residual=sandwich"),
+    (dict(mod="nag", residual="prenorm"), "mod=nag does not work with residual=prenorm; use mod=router, or residual=nag"),
+    (dict(mod="router", residual="nag"), "mod=router does not work with residual=nag; use mod=nag, or residual=prenorm or sandwich"),
+    (dict(mod="skip_middle", residual="prenorm"), "use mod=router, or residual=sandwich"),
     (dict(mod="skip_middle", residual="sandwich", n_layer=3), "n_layer must be even"),
     (dict(mod="moe", residual="prenorm"), r"unknown mod 'moe'; valid: none, nag, router, skip_middle"),
     (dict(mod="none", residual="prenorm", mod_rate=0.5), "needs a mod: set --mod=nag"),
     (dict(mod="router", residual="prenorm", mod_rate=1.0), r"mod_rate must be in \[0, 1\)"),
     (dict(mod="router", residual="prenorm", mod_rate=-0.1), r"mod_rate must be in \[0, 1\)"),
-    (dict(mod="router", residual="prenorm", skip_target=0.3), "skip_target only applies to mod=skip_middle"),
+    (dict(mod="router", residual="prenorm", skip_target=0.3), "skip_target=0.3 only applies to mod=skip_middle; remove --skip_target"),
     (dict(mod="skip_middle", residual="sandwich", skip_target=1.5), r"skip_target must be in \[0, 1\]"),
 ])
 def test_bad_mod_config_is_a_clear_error(kwargs, message):
@@ -92,7 +100,7 @@ def test_bad_mod_config_is_a_clear_error(kwargs, message):
 def test_config_is_checked_again_when_the_model_is_built():
     cfg = config("router", "prenorm")
     cfg.residual = "nag"  # an edit after construction
-    with pytest.raises(ValueError, match="use mod=nag"):
+    with pytest.raises(ValueError, match="use mod=nag, or residual=prenorm"):
         GPT(cfg)
 
 
@@ -102,7 +110,7 @@ def test_config_is_checked_again_when_the_model_is_built():
 def test_capacity():
     assert [capacity(16, r) for r in (0.0, 0.5, 0.3, 0.9, 0.99)] == [16, 8, 12, 2, 1]
     assert capacity(10, 0.7) == 3  # (1 - 0.7) * 10 = 3.0000000000000004 must not round up to 4
-    assert config("router", "prenorm", mod_rate=0.3).mod_keep == 0.75
+    assert TopKMoD.keep_fraction(config("router", "prenorm", mod_rate=0.3)) == 0.75
 
 
 def test_topk_route_keeps_the_true_top_k_in_order():
@@ -200,7 +208,7 @@ def contribution(model, old, new):
 
 
 @pytest.mark.parametrize("train", [True, False], ids=["topk", "tau"])
-@pytest.mark.parametrize("mod, residual, kw", ROUTED + [SKIP], ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize("mod, residual, kw", PAIRS, ids=lambda v: v if isinstance(v, str) else "")
 def test_skipped_tokens_leave_the_stream_bit_identical(monkeypatch, mod, residual, kw, train):
     model = routed_model(mod, residual, **kw).train(train)
     seen = spy_routes(monkeypatch, model)
@@ -249,7 +257,7 @@ def test_a_skipped_token_is_not_a_key(monkeypatch, train):
 # -----------------------------------------------------------------------------
 # gradients
 
-@pytest.mark.parametrize("mod, residual, kw", [ROUTED[0], ROUTED[1], ROUTED[3], SKIP],
+@pytest.mark.parametrize("mod, residual, kw", FIRST,
                          ids=lambda v: v if isinstance(v, str) else "")
 def test_every_parameter_gets_a_gradient_under_routing(mod, residual, kw):
     model = routed_model(mod, residual, **kw).train()
@@ -325,8 +333,7 @@ def test_mod_rate_zero_runs_every_token_and_is_the_dense_model(mod, residual):
 # -----------------------------------------------------------------------------
 # eval routing is causal
 
-CAUSAL = [("nag", "nag", {}), ("router", "prenorm", {}), ("router", "attnres", {}),
-          ("router", "block_attnres", {"attnres_blocks": 2}), ("skip_middle", "sandwich", {})]
+CAUSAL = PAIRS
 
 
 @pytest.mark.parametrize("mod, residual, kw", CAUSAL, ids=lambda v: v if isinstance(v, str) else "")
@@ -366,8 +373,7 @@ def test_training_top_k_is_not_causal_which_is_why_eval_uses_tau(monkeypatch):
 # -----------------------------------------------------------------------------
 # KV-cache generation
 
-GENERATE = [("none", "prenorm", {}), ("nag", "nag", {}), ("router", "prenorm", {}), ("router", "attnres", {}),
-            ("router", "prenorm", {"mod_inference": "threshold"}), ("skip_middle", "sandwich", {})]
+GENERATE = [("none", "prenorm", {}), *PAIRS, ("router", "prenorm", {"mod_inference": "threshold"})]
 
 
 def cached_logits(model, idx, prefill):
@@ -424,11 +430,11 @@ def test_gated_attention_masks_keys_where_the_published_query_axis_does_nothing(
     x, rope = torch.randn(B, T, C), rope_table(16, T)
     with torch.no_grad():
         free = attn(x, rope)
-        torch.testing.assert_close(attn(x, rope, key_bias=torch.zeros(B, T)), free)
+        torch.testing.assert_close(attn(x, rope, Visibility(key_bias=torch.zeros(B, T))), free)
         gate = torch.ones(B, T)
         gate[0, 2], gate[0, 5] = 0.0, 1e-3
         bias = torch.where(gate > 0, gate.clamp(1e-6, 1).log(), float("-inf"))
-        gated = attn(x, rope, key_bias=bias)
+        gated = attn(x, rope, Visibility(key_bias=bias))
         assert gated.isfinite().all()  # query 2 still sees itself
         torch.testing.assert_close(gated[:, :2], free[:, :2])  # queries before the gated key
         assert (gated[0, 3:] - free[0, 3:]).abs().amax(-1).min() > 1e-3  # every later query changed

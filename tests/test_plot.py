@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from model import routing  # noqa: E402
 
 import plot
 import run_config
@@ -156,7 +157,7 @@ def test_runs_trained_without_diagnose(runs, tmp_path):
     assert plain == ["plain_s1", "sandwich", "–", "3.1000", "3.0000", "–", "–", "–"]  # val losses from the log
     assert nag[3:6] == ["2.7000", "2.7000", "4.00"]
     cell = [c.strip() for c in per_cell.strip().splitlines()[-1].split("|")[1:-1]]
-    assert cell == ["plain", "2", "3.1000 ± 0.0000", "3.0000 ± 0.0000", "–", "–", "–", "plain", "–", "–", "–", "–"]
+    assert cell == ["plain", "2", "3.1000 ± 0.0000", "3.0000 ± 0.0000", "–", "–", "–", "plain", *["–"] * 5]
     fig = plot.main(["loss", str(tmp_path / "plain_s1"), runs["nag"], f"--out={tmp_path / 'loss.png'}"])
     assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["plain_s1", "nag"]  # the dir names
 
@@ -180,17 +181,19 @@ def test_table_per_cell_over_seeds(tmp_path):
     assert cells[1] == ["nag_L2", "2", f"{2.6:.4f} ± {std(2.7, 2.5):.4f}", f"{2.6:.4f} ± {std(2.7, 2.5):.4f}",
                         f"{(4.0 + 6.0) / 2:.2f} ± {std(4.0, 6.0):.2f}", f"{(2.0 + 3.0) / 2:.2f} ± {std(2.0, 3.0):.2f}",
                         f"{(gain1 + gain2) / 2:.3f} ± {std(gain1, gain2):.3f}, {2.0:.1f} ± {std(1.0, 3.0):.1f} of 4",
-                        "nag_L2", "–", "–", "–", "–"]  # its own baseline: nothing to test
+                        "nag_L2", "–", "–", "–", "–", "–"]  # its own baseline: nothing to test
 
 
-def final_val_runs(root, cells):
-    """Runs <cell>_s<seed> whose final val losses are given, per cell: {cell: (diagnostics, [losses])}."""
+def final_val_runs(root, cells, paces=None):
+    """Runs <cell>_s<seed> whose final val losses are given, per cell: {cell: (diagnostics, [losses])};
+    paces: {cell: [ms per iteration, per run]}, logged with each of the run's evals."""
     dirs = []
     for cell, (diagnostics, losses) in cells.items():
         for seed, loss in enumerate(losses, 1):
             d = write_run(root, f"{cell}_s{seed}", "nag", diagnostics)
             log = Path(d) / "log.jsonl"
-            log.write_text(log.read_text().replace('"val_loss": 2.7', f'"val_loss": {loss}'))
+            pace = f', "ms_per_iter": {paces[cell][seed - 1]}' if paces else ""
+            log.write_text(log.read_text().replace('"val_loss": 2.7', f'"val_loss": {loss}{pace}'))
             dirs.append(d)
     return dirs
 
@@ -204,7 +207,8 @@ def test_table_tests_each_cell_against_its_baseline(tmp_path):
     losses = {"a_L2": [2.70, 2.72, 2.71], "b_L2": [2.60, 2.61, 2.63], "c_L4": [2.50, 2.58, 2.52],
               "d_L4": [2.49, 2.53, 2.50]}
     cells = {c: (PRENORM if c.endswith("L2") else deep, v) for c, v in losses.items()}
-    dirs = final_val_runs(tmp_path, cells)
+    paces = {"a_L2": [10, 12, 11], "b_L2": [30, 22, 20], "c_L4": [10, 10, 10], "d_L4": [24, 25, 26]}  # medians 11, 22, 10, 25
+    dirs = final_val_runs(tmp_path, cells, paces)
 
     def rows(*options):
         text = plot.main(["table", *dirs, *options])
@@ -212,13 +216,13 @@ def test_table_tests_each_cell_against_its_baseline(tmp_path):
         return {r[0]: r for r in ([c.strip() for c in line.split("|")[1:-1]] for line in per_cell.splitlines()
                                   if line.startswith("| ") and "---" not in line)}
     got = rows()
-    assert got["a_L2"][7:] == ["a_L2", "–", "–", "–", "–"] and got["c_L4"][7:] == ["c_L4", "–", "–", "–", "–"]
-    assert got["b_L2"][7:] == ["a_L2", *run_config.significance_cells(losses["b_L2"], losses["a_L2"])]
-    assert got["d_L4"][7:] == ["c_L4", *run_config.significance_cells(losses["d_L4"], losses["c_L4"])]
+    assert got["a_L2"][7:] == ["a_L2", "–", "–", "–", "–", "–"] and got["c_L4"][7:] == ["c_L4", *["–"] * 5]
+    assert got["b_L2"][7:] == ["a_L2", *run_config.significance_cells(losses["b_L2"], losses["a_L2"]), "2.00x"]
+    assert got["d_L4"][7:] == ["c_L4", *run_config.significance_cells(losses["d_L4"], losses["c_L4"]), "2.50x"]
     assert got["b_L2"][10].endswith(" *") and got["b_L2"][11] == "significant"  # 0.1 apart, std ~0.015
     assert not got["d_L4"][10].endswith(" *")  # 0.027 apart, std ~0.04: not at 3 seeds
     got = rows("--baseline=b_L2")
-    assert got["d_L4"][7:] == ["b_L2", *run_config.significance_cells(losses["d_L4"], losses["b_L2"])]
+    assert got["d_L4"][7:] == ["b_L2", *run_config.significance_cells(losses["d_L4"], losses["b_L2"]), "1.14x"]
     with pytest.raises(ConfigError, match="--baseline=e_L2 is not a cell"):
         plot.main(["table", *dirs, "--baseline=e_L2"])
 
@@ -262,7 +266,7 @@ def test_routing_is_the_eval_rule(mod_ckpts, data_dir, name):
     share the router's route."""
     model = mod_ckpts[1][name]
     idx = val_batch(data_dir)
-    ran, score = model.routing(idx)
+    ran, score = routing(model, idx)
     assert ran.shape == score.shape == (model.config.n_sublayers, *idx.shape)
     tau = model.mod.tau
     assert torch.isfinite(tau).all()
@@ -289,7 +293,7 @@ def test_routing_plot_and_table(mod_ckpts, data_dir, tmp_path, capsys):
     model, g, ran = models["nag"], torch.Generator().manual_seed(run_config.EVAL_SEED), []
     for _ in range(2):
         X, _ = run_config.get_batch(str(data_dir / "shakespeare_char" / "val.bin"), 4, BLOCK, g, torch.device("cpu"))
-        ran.append(model.routing(X)[0])
+        ran.append(routing(model, X)[0])
     assert f"{1 - torch.cat(ran, 1).float().mean().item():.1%} of the routed sublayer passes skipped" in table
     rows = [line for line in table.splitlines() if line.startswith("| `")]
     skipped = [float(line.split("|")[3].strip().rstrip("%")) for line in rows]

@@ -1,7 +1,8 @@
-"""The README's commands as a newcomer runs them, line by line from its ```bash blocks: every training
-command writes its own out_dir (a second one there would clobber the first's checkpoint and log), every
-out_dir that a later command reads is one a README command creates, and the first two commands are the
-quickstart and the tests, each after the install."""
+"""The README's commands as a newcomer runs them, line by line from its ```bash blocks: the first two
+commands are the quickstart and the tests, each after the install. With the docs/*.md pages the README
+links to (the experiments, the modes' options, ...), their commands are one set: every training command
+writes its own out_dir (a second one there would clobber the first's checkpoint and log), and every
+out_dir that a command reads is one that a command of the README or the docs creates."""
 import os
 import re
 import shlex
@@ -15,6 +16,8 @@ import run_config  # noqa: E402
 from configurator import configure  # noqa: E402
 
 INSTALL = ["pip", "install", "-r", "requirements.txt"]
+README = REPO / "README.md"
+DOCS = sorted((REPO / "docs").glob("*.md"))
 
 
 def braces(word):
@@ -23,12 +26,13 @@ def braces(word):
     return [m[1] + part + m[3] for part in m[2].split(",")] if m else [word]
 
 
-def readme_lines():
-    """Each command line of the README's ```bash blocks, as its commands (split at &&), each a list of
+def readme_lines(files=(README,)):
+    """Each command line of the files' ```bash blocks, as its commands (split at &&), each a list of
     words: continuation lines joined, comments dropped, a block's variables (c="...", then $c) and {a,b}
     expanded, a leading VAR=value (the environment, e.g. OMP_NUM_THREADS=1) dropped."""
     lines = []
-    for block in re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S):
+    blocks = [b for f in files for b in re.findall(r"```bash\n(.*?)```", f.read_text(), re.S)]
+    for block in blocks:
         variables = {}
         for line in block.replace("\\\n", " ").splitlines():
             line = re.sub(r"\$(\w+)", lambda m: variables[m[1]], line)  # unquoted: bash splits it into words
@@ -95,22 +99,30 @@ def test_the_first_commands_install_then_run_the_quickstart_and_the_tests():
     assert second == [INSTALL, ["python", "-m", "pytest", "-q"]]
 
 
+def test_the_docs_have_commands():
+    """The pages below are read as the README's continuation: each one that moved commands out of the
+    README still has them (a page renamed or its blocks dropped would silently shrink the checks)."""
+    for page in ("experiments.md", "modes.md", "kernels.md", "testing.md"):
+        assert REPO / "docs" / page in DOCS and readme_lines([REPO / "docs" / page]), page
+
+
 def test_training_commands_write_their_own_out_dirs():
     """Two training commands share an out_dir (or a sweep's folder) only when one resumes the other or
     they are the same run (a sweep run again skips what it finished)."""
-    writers = [w for line in readme_lines() for cmd in line if (w := writes(cmd))]
+    writers = [w for line in readme_lines([README, *DOCS]) for cmd in line if (w := writes(cmd))]
     assert len(writers) > 10
     for i, (path, cfg) in enumerate(writers):
         for other, other_cfg in writers[:i]:
             if path == other or path.startswith(other + os.sep) or other.startswith(path + os.sep):
                 assert "resume" in (cfg.get("init_from"), other_cfg.get("init_from")) or cfg == other_cfg, (
-                    f"two README commands train into {path}: give one its own --out_dir")
+                    f"two commands (README or docs/) train into {path}: give one its own --out_dir")
 
 
 def test_every_out_dir_read_is_created_by_a_readme_command():
-    """sample.py, tradeoff.py, bench.py and plot.py read runs that a README command trains: a train.py
-    out_dir, or a run of a sweep (out_root/sweep_name/<cell>_s<seed>; a glob: the sweep's folder)."""
-    commands = [cmd for line in readme_lines() for cmd in line]
+    """sample.py, tradeoff.py, bench.py and plot.py read runs that a command of the README or docs/
+    trains: a train.py out_dir, or a run of a sweep (out_root/sweep_name/<cell>_s<seed>; a glob: the
+    sweep's folder)."""
+    commands = [cmd for line in readme_lines([README, *DOCS]) for cmd in line]
     created, sweeps = set(), set()
     for cmd in commands:
         if writes(cmd) and script(cmd)[0] == "train.py":
@@ -123,4 +135,35 @@ def test_every_out_dir_read_is_created_by_a_readme_command():
     assert len(read) > 10
     for path, cmd in read:
         assert path in created or ("*" in path and os.path.dirname(path) in sweeps), (
-            f"`{cmd}` reads {path}, which no README command creates")
+            f"`{cmd}` reads {path}, which no command of the README or docs/ creates")
+
+
+def anchors(path):
+    """The #anchors of a Markdown file's headings, as GitHub makes them: lower case, punctuation other than
+    - and _ dropped, spaces as -, a repeated heading numbered -1, -2, ... (headings in code blocks skipped)."""
+    found, text = set(), re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        n = 0
+        while (slug + (f"-{n}" if n else "")) in found:
+            n += 1
+        found.add(slug + (f"-{n}" if n else ""))
+    return found
+
+
+def test_every_relative_link_finds_its_file_and_heading():
+    """Links and images in the README and docs/*.md, [text](path#anchor): the file exists and, given an
+    anchor, has a heading that makes it (a moved or renamed section breaks the links to it)."""
+    checked = 0
+    for page in [README, *DOCS]:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"\w+://|mailto:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            assert dest.exists(), f"{page.name}: link to {target}, which does not exist"
+            if anchor:
+                assert anchor in anchors(dest), f"{page.name}: link to {target}, no such heading in {dest.name}"
+            checked += 1
+    assert checked > 20

@@ -10,6 +10,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -349,7 +350,7 @@ def test_bad_input_is_a_one_line_error(make, needles, tiny_run, tmp_path):
 FAILED_STARTS = {  # a configuration that fails, of each kind: its overrides of tiny_args and the error's words
     # the model's configuration (GPTConfig), and the nag recipe's keys
     "residual-mod-pair": (dict(residual="prenorm", mod="nag", mod_rate=0.25),
-                          "mod=nag does not work with residual=prenorm; use residual=nag"),
+                          "mod=nag does not work with residual=prenorm; use mod=router, or residual=nag"),
     "nag-router-pair": (dict(residual="nag", mod="router", mod_rate=0.25),
                         "mod=router does not work with residual=nag; use mod=nag"),
     "skip-middle-odd-depth": (dict(residual="sandwich", mod="skip_middle", mod_rate=0.25, n_layer=3),
@@ -387,7 +388,7 @@ def test_a_failed_start_leaves_out_dir_as_it_was(case, data_dir, tmp_path, in_pr
     if case == "unwritable":  # root may write anywhere: the file system refuses the probe instead
         def refuse(*args, **kw):
             raise PermissionError(errno.EACCES, "Permission denied")
-        monkeypatch.setattr(train.tempfile, "NamedTemporaryFile", refuse)
+        monkeypatch.setattr(tempfile, "NamedTemporaryFile", refuse)
     if case == "wandb-missing":
         monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb fails
     with pytest.raises(ConfigError) as e:
@@ -425,7 +426,9 @@ def _config_strategy():
 
 def _build(d):
     kw = dict(residual=d["residual"], n_layer=d["n_layer"], n_head=d["n_head"], n_embd=d["n_head"] * d["head_size"],
-              block_size=d["block_size"], vocab_size=65, nag_channels=d["nag_channels"])
+              block_size=d["block_size"], vocab_size=65)
+    if d["residual"] == "nag":  # a mode's option is set only with its mode
+        kw["nag_channels"] = d["nag_channels"]
     if d["residual"] == "block_attnres" and d["blocks"] is not None:
         kw["attnres_blocks"] = min(d["blocks"], d["n_layer"])
     kw["mod"] = d["mod"]
@@ -468,7 +471,7 @@ def test_random_valid_configs_train(d, batch):
     for frac in (frac_train, model.executed_fraction()):
         assert len(frac) == 2 * config.n_layer and all(0.0 <= f <= 1.0 for f in frac)
     if config.mod in ("nag", "router"):  # top-k: every sublayer runs its capacity k / T in training
-        assert frac_train == pytest.approx([config.mod_keep] * (2 * config.n_layer))
+        assert frac_train == pytest.approx([model_module.TopKMoD.keep_fraction(config)] * (2 * config.n_layer))
         assert torch.isfinite(model.mod.tau).all() == (config.mod_rate > 0)
 
 

@@ -4,9 +4,9 @@ non-finite step's skip, stay on the device until a log or eval iteration reads t
 On CPU a "sync" is an op that would wait for the GPU there: reading a value to the host (item(), bool(),
 int(), float(): aten._local_scalar_dense; is_nonzero, equal; tolist()) or an op whose output shape
 depends on the data (nonzero, masked_select). Loading batches is host work on host tensors (get_batch's
-ix.tolist()), so the count pauses while the step draws its batches. The optimizer is fused AdamW (train.py
-makes it so on every device), whose step counters live with the parameters and are never read: nothing
-to leave out there.
+ix.tolist()), so the count pauses while the step draws its batches. The optimizer is fused AdamW
+(configure_optimizers builds it on every device), whose step counters live with the parameters and are
+never read: nothing to leave out there.
 """
 import contextlib
 import itertools

@@ -27,10 +27,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import flops  # noqa: E402
+import guards  # noqa: E402
 import run_config  # noqa: E402
 import train  # noqa: E402
 from configurator import ConfigError, configure  # noqa: E402
 from model import GPT, GPTConfig, SkipMiddle  # noqa: E402
+from model import TopKMoD  # noqa: E402
 
 TOL = 1e-5  # fp32 on CPU; log.jsonl rounds losses to 6 decimals
 LOG_KEYS = {"iter", "tokens", "train_loss", "val_loss", "lr", "ms_per_iter", "tokens_per_s", "flops", "mfu", "residual"}
@@ -579,7 +581,7 @@ def test_mod_nag_run(data_dir, tmp_path, in_process):
     mod = dict(residual="nag", mod="nag", mod_rate=0.25)
     in_process(tiny_args(data_dir, out, max_iters=4, lr_decay_iters=6, **mod))
     config = GPTConfig(vocab_size=65, n_layer=2, n_head=2, n_embd=32, block_size=32, **mod)
-    keep = config.mod_keep  # k = ceil(0.75 * 32) = 24 of 32 tokens
+    keep = TopKMoD.keep_fraction(config)  # k = ceil(0.75 * 32) = 24 of 32 tokens
     assert keep == 0.75
     log = read_log(out)
     assert all(set(r) == MOD_LOG_KEYS and len(r["exec_eval"]) == 4 for r in log)
@@ -665,7 +667,7 @@ def test_mod_skip_middle_run(data_dir, tmp_path, in_process, monkeypatch):
 def _gate_stats_rank(rank, world, init_file, out_dir):
     """One DDP rank: 2 real training micro-batches through train.py's DDP wrapper (rank 1 skips whole
     blocks: every gate saturates there), the producers' raw outputs recorded for the test, then the
-    statistics pooled by train.py's helper and the controller step."""
+    model's after_step (train_step's: it pools the statistics over the ranks, then the controller steps)."""
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -673,7 +675,7 @@ def _gate_stats_rank(rank, world, init_file, out_dir):
     config = GPTConfig(vocab_size=65, n_layer=4, n_head=2, n_embd=16, block_size=8, residual="sandwich",
                        mod="skip_middle", mod_rate=0.25)
     model = GPT(config)
-    ddp = train.wrap_ddp(model, config, torch.device("cpu"))  # broadcasts rank 0's parameters
+    ddp = train.wrap_ddp(model, torch.device("cpu"), model.unused_parameters)  # broadcasts rank 0's parameters
     with torch.no_grad():  # rank 0: gates spread over (0, 1]; rank 1: every gate 0, no block runs a token
         for p in model.mod.producers:
             p.weight.mul_(30)
@@ -686,8 +688,7 @@ def _gate_stats_rank(rank, world, init_file, out_dir):
         idx = torch.randint(0, 65, (2, 8))
         ddp(idx, idx)[1].backward()
     assert (max(model.executed_fraction()) == 0.0) if rank else (min(model.executed_fraction()) < 1.0)
-    train.pool_gate_stats(model.mod)
-    model.after_step()
+    model.after_step(torch.zeros(()))  # a good step
     state = {k: getattr(model.mod, k) for k in ("gate_mean", "gate_var", "lam", "mu")}
     torch.save({**state, "produced": produced}, f"{out_dir}/{rank}.pt")
     del ddp  # its reducer holds the process group: release it first
@@ -696,7 +697,7 @@ def _gate_stats_rank(rank, world, init_file, out_dir):
 
 
 def test_ddp_skip_middle_controller_sees_the_same_statistics(tmp_path):
-    """Under DDP each rank's gates come from its own batches: train.py pools the statistics first, so
+    """Under DDP each rank's gates come from its own batches: after_step pools the statistics first, so
     both controllers see the mean and population variance of every gate of every micro-batch of both
     ranks (computed here from the producers' raw outputs) and lam, mu stay identical on every rank.
     And a rank whose batch skips a whole block (no gradient for it there) does not break DDP."""
@@ -840,7 +841,7 @@ def test_compiled_zero_gradients_warn_loudly_once(data_dir, tmp_path, in_process
     on the device by an optimizer pre-hook that step only) and names the parameters whose gradient was
     exactly zero; a compile that trains every parameter gives no warning."""
     monkeypatch.setattr(torch, "compile", lambda model: ZeroGradCompile(model, broken))
-    monkeypatch.setattr(train, "GRAD_CHECK_STEPS", 3)
+    monkeypatch.setattr(guards, "GRAD_CHECK_STEPS", 3)
     in_process(tiny_args(data_dir, tmp_path / "out", max_iters=8, log_interval=2, compile=True))
     err = capsys.readouterr().err
     if not broken:
@@ -866,6 +867,38 @@ def test_max_flops_caps_the_warmup(data_dir, tmp_path, in_process, capsys):
     assert log[0]["lr"] == pytest.approx(1e-3 / 2)  # warm-up: lr * (it + 1) / (warmup_iters + 1)
     assert log[1]["lr"] > 0.9e-3  # past the warm-up (uncapped: 3e-5)
     assert log[-1]["lr"] == pytest.approx(1e-4)
+    assert "counted dense" not in capsys.readouterr().out  # a fixed capacity (dense here): the count is exact
+
+
+def test_max_flops_says_when_it_counts_dense(data_dir, tmp_path, in_process, capsys):
+    """MoD without a fixed capacity (flops.counted_dense: skip_middle) plans a budget at the dense count,
+    an upper bound: the plan says so (eval_only: the plan and one eval, no step)."""
+    in_process(tiny_args(data_dir, tmp_path / "out", residual="sandwich", mod="skip_middle", mod_rate=0.25,
+                         eval_iters=1, eval_only=True) + ["--max_flops=1e9"])
+    assert ("(MoD without a fixed capacity: counted dense, an upper bound; log.jsonl has the realised FLOPs)"
+            in capsys.readouterr().out)
+
+
+def test_train_py_is_mode_agnostic():
+    """train.py asks the model (after_step, set_warmup, unused_parameters, describe) and flops.counted_dense
+    instead of naming a mode (issue 28): it imports no mode class, reaches into no mode's module
+    (model.mod, model.stream) and compares with no mode's name in its code (docstrings and comments may
+    name them; check_nag_recipe checks train.py's own nag_* keys against cfg["residual"])."""
+    import ast
+    import model as model_module
+    tree = ast.parse((REPO / "train.py").read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "model"
+                for a in n.names}
+    assert imported == {"GPT"}
+    reached = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in ("mod", "stream")
+               and ast.unparse(n.value).endswith("model")]
+    assert not reached, reached
+    allowed = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "check_nag_recipe"
+               for n in ast.walk(f)}
+    modes = (set(model_module.RESIDUALS) | set(model_module.MODS)) - {"none"}  # mod != "none": MoD on, any mode
+    named = [n.value for n in ast.walk(tree)
+             if isinstance(n, ast.Constant) and n.value in modes and id(n) not in allowed]
+    assert not named, named
 
 
 def test_resume_keeps_the_budget(data_dir, tmp_path, in_process, monkeypatch):
