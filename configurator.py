@@ -40,6 +40,14 @@ def _check(key, value, defaults, where):
     return value
 
 
+def _literal(text):
+    """A --key=value's value: a Python literal, else the bare string (--residual=nag)."""
+    try:
+        return ast.literal_eval(text)
+    except (SyntaxError, ValueError):
+        return text
+
+
 def key_comments(sources):
     """{key: the comment after it on its line} for the keys of each (path, name) in sources: every
     `name = dict(key=value, ...)` of that file (at module level or in a class body: model.py's mode
@@ -102,9 +110,8 @@ def configure(argv, defaults, help_from=()):
             key, sep, text = arg[2:].partition("=")
             if not sep:
                 raise ConfigError(f"expected --key=value, got '{arg}': write {arg}=VALUE, with no spaces")
-            try:
-                value = ast.literal_eval(text)
-            except (SyntaxError, ValueError):
-                value = text  # a bare string such as --residual=nag
+            value = _literal(text)
+            if isinstance(defaults.get(key), list) and isinstance(value, str):  # --residuals=prenorm,nag
+                value = [_literal(item.strip()) for item in value.strip("[]").split(",") if item.strip()]
             config[key] = _check(key, value, defaults, f"'{arg}'")
     return config

@@ -79,3 +79,13 @@ def test_a_comma_list_sets_a_list_key(tmp_path):
     assert configure([str(path)], tradeoff.DEFAULTS)["skip_rates"] == [0.3, 0.4]
     with pytest.raises(ConfigError, match=r"expects list, got float 0\.1 \(a list: --skip_rates=\[a,b\] or"):
         configure(["--skip_rates=0.1"], tradeoff.DEFAULTS)
+
+
+def test_a_list_of_bare_words(tmp_path):
+    """--residuals=prenorm,nag (and [prenorm,nag], which a shell leaves of ['prenorm','nag']) is a list of
+    strings, as the list hint says; a number in it stays a number."""
+    defaults = dict(residuals=["prenorm"], depths=[2])
+    for arg in ("--residuals=prenorm,nag", "--residuals=[prenorm,nag]", "--residuals=['prenorm','nag']"):
+        assert configure([arg], defaults)["residuals"] == ["prenorm", "nag"], arg
+    assert configure(["--residuals=nag"], defaults)["residuals"] == ["nag"]
+    assert configure(["--depths=[4,8]"], defaults)["depths"] == [4, 8]
