@@ -187,6 +187,8 @@ class Residual(nn.Module):
                      that are not matmuls
       check(config)  its own checks of its options: one-line errors that name the fix
       no_decay_parameters()  its parameters that take no weight decay (norms and scalars never do)
+    Optional hooks, no-ops here: set_warmup(scale) before each iteration, after_step(skipped) after
+    each optimizer step, describe() for train.py's banner.
     A new mode is a subclass and one line in RESIDUALS."""
     options, mods, ops, vector_flops, embed_std = {}, (), (), (), 0.02
 
@@ -196,6 +198,15 @@ class Residual(nn.Module):
 
     def no_decay_parameters(self):
         return []
+
+    def set_warmup(self, scale):
+        pass
+
+    def after_step(self, skipped):
+        pass
+
+    def describe(self):
+        return ""
 
     def skip(self, state, l):
         return state
@@ -397,26 +408,24 @@ class GPT(nn.Module):
         """Call after each optimiser step. skipped: a 0-d device tensor, > 0 when the step was skipped
         (non-finite gradients); a mode's own update then keeps its state. Modes with such an update
         (skip_middle's sparsity controller) all-reduce their statistics over DDP ranks inside."""
-        for part in (self.stream, self.mod):
-            if hasattr(part, "after_step"):
-                part.after_step(skipped)
+        self.stream.after_step(skipped)
+        if self.mod is not None:
+            self.mod.after_step(skipped)
 
     def set_warmup(self, scale):
         """A mode's warm-up scale in [0, 1], set before each iteration (nag: alpha's token warm-up)."""
-        if hasattr(self.stream, "set_warmup"):
-            self.stream.set_warmup(scale)
+        self.stream.set_warmup(scale)
 
     @property
     def unused_parameters(self):
         """Whether a training step may leave some parameters without a gradient (DDP must be told)."""
-        return getattr(self.mod, "unused_parameters", False)
+        return self.mod is not None and self.mod.unused_parameters
 
     def describe(self):
         """One line: the modes and the shape, for train.py's banner."""
         c = self.config
         mod = f" + mod={c.mod} at mod_rate {c.mod_rate:g}" if c.mod != "none" else ""
-        extra = self.stream.describe() if hasattr(self.stream, "describe") else ""
-        return f"{c.residual}{mod}: {c.n_layer} layers{extra}, {c.n_embd} wide"
+        return f"{c.residual}{mod}: {c.n_layer} layers{self.stream.describe()}, {c.n_embd} wide"
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, kv_cache=True):
@@ -921,7 +930,7 @@ class MoD(nn.Module):
     """A Mixture-of-Depths mode. Besides route(), it declares what a residual mode does (options, check,
     flops, no_decay_parameters; see Residual) and planned_fractions(config): per sublayer, the fraction
     of tokens that FLOP plans count (counted_dense: no fixed capacity, so dense is an upper bound)."""
-    options, counted_dense, vector_flops = {}, False, ()
+    options, counted_dense, unused_parameters, vector_flops = {}, False, False, ()
 
     @staticmethod
     def check(config):
@@ -933,6 +942,13 @@ class MoD(nn.Module):
 
     def no_decay_parameters(self):
         return []
+
+    def routing_score(self, stream, state, l, scores):
+        """routing(): what sublayer l is routed on, or None."""
+        return None
+
+    def after_step(self, skipped):
+        pass
 
     def aux_loss(self, ctx):
         return None
@@ -1250,7 +1266,7 @@ class SkipMiddle(MoD):
         return (self.lam * g.mean(1) + self.mu * g.var(1)).mean()
 
     @torch.no_grad()
-    def after_step(self, skipped=None):
+    def after_step(self, skipped):
         """The pooled statistics of every DDP rank (one small all_reduce, on the device), then the
         controller; a skipped step keeps lam and mu."""
         if dist.is_available() and dist.is_initialized():
@@ -1294,7 +1310,7 @@ def routing(model, idx):
     score = torch.full((n, B, T), float("nan"), device=idx.device)
     state = model.stream.embed(model.wte(idx))
     for l in range(n):
-        s = model.mod.routing_score(model.stream, state, l, score) if hasattr(model.mod, "routing_score") else None
+        s = model.mod.routing_score(model.stream, state, l, score) if model.mod is not None else None
         if s is not None:
             score[l] = s.float()
         state = model._sublayer(state, l, ctx)
