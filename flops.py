@@ -100,7 +100,9 @@ def forward_flops(config, exec_frac=None):
         "mlp": 2 * 8 * d * d * sum(mlp),
         "head": 2 * d * config.padded_vocab_size,
     }
-    return {**out, **mode_flops(config)}
+    own = mode_flops(config)
+    routed = {name for cls in modes(config) for name in cls.routed_flops}
+    return {**out, **{k: v * sum(f) / n if k in routed else v for k, v in own.items()}}
 
 
 def train_flops_per_token(config, exec_frac=None):

@@ -1,10 +1,16 @@
 """
-Fused kernels for nanodepth's three memory-bound row-wise operations, one section each:
+Fused kernels for nanodepth's memory-bound row-wise operations, one section each (the last three
+ops share section 4-6):
 
     rms_norm(x, weight=None, eps=1e-6)                 y = x / rms(x) * weight
     nag_update(r, u, a, eps=1e-6) -> (r_new, log_gain)  the NAG write-back (model.py's NAG.write)
     depth_attention(sources, query, norm_weight, eps=1e-6) -> mix
                                                        AttnRes: softmax over depth of RMS-normed sources
+    mhc_pre_mix(x, proj, scale, base, ...) -> (u, h_post, res_logits)
+                                                       mHC's coefficients from the n streams, and the read
+    sinkhorn(logits, repeat=10, eps=1e-6) -> H          Sinkhorn-Knopp, every iteration in one kernel
+    hc_post_mix(x, out, h_post, h_res) -> X'            the hyper-connection write:
+                                                       X'_j = sum_m h_res[m, j] X_m + h_post[j] out
 
 Each section reads top to bottom, in the order of Triton's fused layer-norm tutorial: the Triton
 forward kernel, the Triton backward kernel and their launchers; the custom op that wraps them; the
@@ -13,12 +19,14 @@ plain-PyTorch reference beside it; the public function.
 One reference per kernel: a forward and a backward function in plain PyTorch with the launchers'
 signatures and outputs (rms_norm_fwd_torch and rms_norm_bwd_torch, ...), the kernels' arithmetic
 written with tensor ops. They are the custom op's CPU implementation; wrapped in the section's
-autograd.Function (RMSNormTorch, NAGUpdateTorch, DepthAttentionTorch) they are the impl="torch"
-path; and tests/test_kernels.py measures the Triton kernels against them.
+autograd.Function (RMSNormTorch, NAGUpdateTorch, DepthAttentionTorch, MHCPreMixTorch, SinkhornTorch,
+HCPostMixTorch) they are the impl="torch" path; and tests/test_kernels.py measures the Triton
+kernels against them.
 
 Custom ops. Each kernel is a PyTorch custom op (`torch.ops.nanodepth.rms_norm`, `.nag_update`,
-`.depth_attention`), and so is its backward (`.rms_norm_backward`, ...), registered with
-`torch.library.custom_op` + `register_fake` + `register_autograd`. torch.compile sees one opaque
+`.depth_attention`, `.mhc_pre_mix`, `.sinkhorn`, `.hc_post_mix`), and so is its backward
+(`.rms_norm_backward`, ...), registered with `torch.library.custom_op` + `register_fake` +
+`register_autograd`. torch.compile sees one opaque
 node per op in the forward graph and one in the backward graph, instead of tracing into (or
 falling back around) a Python launcher. An op's CUDA implementation launches the Triton kernel;
 its CPU implementation is the reference, so the ops run, and are tested, anywhere.
@@ -43,6 +51,7 @@ are stored in the input's dtype, per-row statistics in fp32. Every kernel handle
 (masked to the next power of two), any number of rows and non-contiguous inputs (copied).
 """
 
+import math
 from typing import Optional
 
 import torch
@@ -729,3 +738,587 @@ def depth_attention(sources, query, norm_weight, eps=1e-6, impl="auto"):
         # trace the autograd.Function in the model's compiled no-grad eval; test_compiled_eval_equals_eager)
         return depth_attention_fwd_torch(sources, query, norm_weight, eps)[0]
     return DepthAttentionTorch.apply(query, norm_weight, eps, *sources)
+
+
+# -----------------------------------------------------------------------------
+# 4-6. Hyper-connections (model.py's HyperConnections and MHC): n streams X [..., n, d] per token.
+#   mhc_pre_mix(x, proj, scale, base) -> (u, h_post, res_logits): mHC's coefficients and its read.
+#     With rstd = 1 / sqrt(mean(vec(X)^2) + norm_eps) (RMSNorm over the flattened n*d stream, folded
+#     after the projection proj = vec(X) phi^T, a matmul done outside), c = proj * rstd * scale + base,
+#     scale's 3 entries spread over the pre (n), post (n) and res (n*n) parts:
+#       h_pre = sigmoid(c[:n]) + pre_eps;  h_post = sigmoid(c[n:2n]) * post_mult;  res_logits = c[2n:]
+#       u = sum_m h_pre[m] X_m  (the read: the sublayer's input before its own norm)
+#   sinkhorn(logits, repeat, eps) -> H: softmax over the last axis + eps, then column sums to 1,
+#     then (repeat - 1) times rows, then columns. Always fp32.
+#   hc_post_mix(x, out, h_post, h_res) -> X'_j = sum_m h_res[m, j] X_m + h_post[j] out  (the write)
+# All three are memory-bound per token; the coefficients are fp32 whatever the stream's dtype.
+
+# The kernels: one program per token row for the two mixes (the row's n x d streams are one
+# [NP, BLOCK] tile, NP and BLOCK the powers of two over n and d), and a block of ROWS matrices per
+# program for Sinkhorn, whose iterations all run in registers. Each backward kernel recomputes what
+# its forward computed from the saved inputs (rstd and the coefficients; Sinkhorn's iterates), so
+# the ops save only their inputs.
+
+if triton is not None:
+
+    @triton.jit
+    def _hc_tile(X, row, d, N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
+        # (the row's streams as an fp32 [NP, BLOCK] tile, its offsets, its mask) of X [M, N, d]
+        m = tl.arange(0, NP)
+        cols = tl.arange(0, BLOCK)
+        off = row * N * d + m[:, None] * d + cols[None, :]
+        mask = (m < N)[:, None] & (cols < d)[None, :]
+        return tl.load(X + off, mask=mask, other=0.0).to(tl.float32), off, mask
+
+    @triton.jit
+    def _mhc_part(PROJ, BASE, s, row, rstd, start, idx, mask, K):
+        # one part of the coefficients (pre, post or res) at entries start + idx of the row's K:
+        # (proj's entries, c = proj * rstd * s + base), 0 where masked
+        p = tl.load(PROJ + row * K + start + idx, mask=mask, other=0.0).to(tl.float32)
+        return p, p * rstd * s + tl.load(BASE + start + idx, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _mhc_pre_mix_fwd(X, PROJ, SCALE, BASE, U, H_POST, RES, d, norm_eps, pre_eps, post_mult,
+                         N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
+        # the stream is read once: its rstd, then the read u = sum_m h_pre[m] X_m from the same tile
+        row = tl.program_id(0).to(tl.int64)
+        x, _, _ = _hc_tile(X, row, d, N, NP, BLOCK)
+        rstd = tl.rsqrt(tl.sum(x * x) / (N * d) + norm_eps)
+        m = tl.arange(0, NP)
+        mm = m < N
+        res = m[:, None] * N + m[None, :]
+        res_mask = mm[:, None] & mm[None, :]
+        K = N * (N + 2)
+        _, c_pre = _mhc_part(PROJ, BASE, tl.load(SCALE).to(tl.float32), row, rstd, 0, m, mm, K)
+        _, c_post = _mhc_part(PROJ, BASE, tl.load(SCALE + 1).to(tl.float32), row, rstd, N, m, mm, K)
+        _, c_res = _mhc_part(PROJ, BASE, tl.load(SCALE + 2).to(tl.float32), row, rstd, 2 * N, res, res_mask, K)
+        u = tl.sum((tl.sigmoid(c_pre) + pre_eps)[:, None] * x, axis=0)  # padded streams are 0
+        cols = tl.arange(0, BLOCK)
+        tl.store(U + row * d + cols, u.to(U.dtype.element_ty), mask=cols < d)
+        tl.store(H_POST + row * N + m, tl.sigmoid(c_post) * post_mult, mask=mm)
+        tl.store(RES + row * N * N + res, c_res, mask=res_mask)
+
+    @triton.jit
+    def _mhc_pre_mix_bwd(X, PROJ, SCALE, BASE, GU, GH_POST, GRES, GX, GPROJ, GC, GS, d, norm_eps, pre_eps,
+                         post_mult, N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
+        # the forward recomputed from x and proj, then mhc_pre_mix_bwd_torch's steps back. Per row it
+        # writes the gradient of c (GC [M, K]) and the row's three terms of the scale's gradient
+        # (GS [M, 3]); the launcher sums them over rows.
+        row = tl.program_id(0).to(tl.int64)
+        x, off, mask = _hc_tile(X, row, d, N, NP, BLOCK)
+        rstd = tl.rsqrt(tl.sum(x * x) / (N * d) + norm_eps)
+        m = tl.arange(0, NP)
+        mm = m < N
+        res = m[:, None] * N + m[None, :]
+        res_mask = mm[:, None] & mm[None, :]
+        K = N * (N + 2)
+        s_pre = tl.load(SCALE).to(tl.float32)
+        s_post = tl.load(SCALE + 1).to(tl.float32)
+        s_res = tl.load(SCALE + 2).to(tl.float32)
+        p_pre, c_pre = _mhc_part(PROJ, BASE, s_pre, row, rstd, 0, m, mm, K)
+        p_post, c_post = _mhc_part(PROJ, BASE, s_post, row, rstd, N, m, mm, K)
+        p_res, _ = _mhc_part(PROJ, BASE, s_res, row, rstd, 2 * N, res, res_mask, K)
+        sig_pre, sig_post = tl.sigmoid(c_pre), tl.sigmoid(c_post)
+        cols = tl.arange(0, BLOCK)
+        gu = tl.load(GU + row * d + cols, mask=cols < d, other=0.0).to(tl.float32)
+        gc_pre = tl.sum(x * gu[None, :], axis=1) * sig_pre * (1.0 - sig_pre)  # through u, then the sigmoid
+        gc_post = (tl.load(GH_POST + row * N + m, mask=mm, other=0.0).to(tl.float32)
+                   * post_mult * sig_post * (1.0 - sig_post))
+        gc_res = tl.load(GRES + row * N * N + res, mask=res_mask, other=0.0).to(tl.float32)
+        # through c = proj * rstd * scale + base: d rstd, then rstd = (mean(X^2) + eps)^-1/2
+        g_rstd = (s_pre * tl.sum(gc_pre * p_pre) + s_post * tl.sum(gc_post * p_post)
+                  + s_res * tl.sum(gc_res * p_res))
+        gx = (sig_pre + pre_eps)[:, None] * gu[None, :] - (g_rstd * rstd * rstd * rstd / (N * d)) * x
+        tl.store(GX + off, gx.to(GX.dtype.element_ty), mask=mask)
+        gp = GPROJ + row * K
+        tl.store(gp + m, (gc_pre * (s_pre * rstd)).to(GPROJ.dtype.element_ty), mask=mm)
+        tl.store(gp + N + m, (gc_post * (s_post * rstd)).to(GPROJ.dtype.element_ty), mask=mm)
+        tl.store(gp + 2 * N + res, (gc_res * (s_res * rstd)).to(GPROJ.dtype.element_ty), mask=res_mask)
+        tl.store(GC + row * K + m, gc_pre, mask=mm)
+        tl.store(GC + row * K + N + m, gc_post, mask=mm)
+        tl.store(GC + row * K + 2 * N + res, gc_res, mask=res_mask)
+        tl.store(GS + row * 3, rstd * tl.sum(gc_pre * p_pre))  # <g_c, mixes> per part
+        tl.store(GS + row * 3 + 1, rstd * tl.sum(gc_post * p_post))
+        tl.store(GS + row * 3 + 2, rstd * tl.sum(gc_res * p_res))
+
+    @triton.jit
+    def _sinkhorn_start(LOGITS, M, eps, N: tl.constexpr, NP: tl.constexpr, ROWS: tl.constexpr):
+        # the program's ROWS matrices as [ROWS, NP, NP]: (offsets, mask, p = softmax over the last
+        # axis, z = p + eps), both 0 where padded, so that padding never reaches a row or column sum
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        i = tl.arange(0, NP)
+        off = rows[:, None, None] * (N * N) + i[None, :, None] * N + i[None, None, :]
+        col_ok = (i < N)[None, None, :]
+        mask = (rows < M)[:, None, None] & (i < N)[None, :, None] & col_ok
+        z = tl.load(LOGITS + off, mask=mask, other=0.0).to(tl.float32)
+        z = tl.where(col_ok, z, float("-inf"))  # padded rows keep finite 0s: their max is finite
+        p = tl.exp(z - tl.max(z, axis=2, keep_dims=True))
+        p = p / tl.sum(p, axis=2, keep_dims=True)
+        return off, mask, p, tl.where(mask, p + eps, 0.0)
+
+    @triton.jit
+    def _normalize(z, AXIS: tl.constexpr, eps):
+        # z / (sum over AXIS + eps): AXIS 1 makes column sums 1, AXIS 2 row sums
+        return z * (1.0 / (tl.sum(z, axis=AXIS, keep_dims=True) + eps))
+
+    @triton.jit
+    def _normalize_bwd(z, g, mask, AXIS: tl.constexpr, eps):
+        # back through y = z / (S + eps), S = sum over AXIS of z: dz = (g - sum(g z) / (S + eps)) / (S + eps).
+        # Kept 0 where padded: there S + eps = eps, and a broadcast sum would grow by 1 / eps a step.
+        inv = 1.0 / (tl.sum(z, axis=AXIS, keep_dims=True) + eps)
+        return tl.where(mask, (g - tl.sum(g * z, axis=AXIS, keep_dims=True) * inv) * inv, 0.0)
+
+    @triton.jit
+    def _sinkhorn_fwd(LOGITS, H, M, repeat, eps, N: tl.constexpr, NP: tl.constexpr, ROWS: tl.constexpr):
+        # every iteration in registers: the logits read once, H written once
+        off, mask, _, z = _sinkhorn_start(LOGITS, M, eps, N, NP, ROWS)
+        z = _normalize(z, 1, eps)
+        for _ in range(1, repeat):
+            z = _normalize(_normalize(z, 2, eps), 1, eps)
+        tl.store(H + off, z, mask=mask)
+
+    @triton.jit
+    def _sinkhorn_bwd(LOGITS, G, DL, M, repeat, eps, N: tl.constexpr, NP: tl.constexpr, ROWS: tl.constexpr):
+        # Nothing but the logits is saved: iteration k's input is recomputed from the softmax before
+        # going back through its row and column steps, last iteration first. That is O(repeat^2)
+        # normalisations of n x n values in registers, for no memory traffic beyond the forward's.
+        off, mask, p, z0 = _sinkhorn_start(LOGITS, M, eps, N, NP, ROWS)
+        g = tl.load(G + off, mask=mask, other=0.0).to(tl.float32)
+        for t in range(1, repeat):
+            z = _normalize(z0, 1, eps)
+            for _ in range(1, repeat - t):
+                z = _normalize(_normalize(z, 2, eps), 1, eps)
+            # z: the input of iteration repeat - t's row step, whose output its column step reads
+            g = _normalize_bwd(_normalize(z, 2, eps), g, mask, 1, eps)
+            g = _normalize_bwd(z, g, mask, 2, eps)
+        g = _normalize_bwd(z0, g, mask, 1, eps)  # the first column step
+        dl = p * (g - tl.sum(g * p, axis=2, keep_dims=True))  # and the softmax
+        tl.store(DL + off, dl.to(DL.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _hc_post_mix_fwd(X, OUT, H_POST, H_RES, Y, d, hp_stride, hr_stride,
+                         N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
+        # X'_j = h_post[j] out + sum_m h_res[m, j] X_m: an [NP, BLOCK] tile of the n outputs built by
+        # n broadcast multiply-adds, one stream read at a time. A coefficient's row stride is 0
+        # when it is shared by all rows.
+        row = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, NP)
+        cols = tl.arange(0, BLOCK)
+        col_ok = cols < d
+        out = tl.load(OUT + row * d + cols, mask=col_ok, other=0.0).to(tl.float32)
+        acc = tl.load(H_POST + row * hp_stride + j, mask=j < N, other=0.0).to(tl.float32)[:, None] * out[None, :]
+        for m in range(N):  # a loop: unrolled, ptxas hoisted all n loads and spilled at BLOCK 4096
+            x_m = tl.load(X + (row * N + m) * d + cols, mask=col_ok, other=0.0).to(tl.float32)
+            h_m = tl.load(H_RES + row * hr_stride + m * N + j, mask=j < N, other=0.0).to(tl.float32)
+            acc += h_m[:, None] * x_m[None, :]
+        mask = (j < N)[:, None] & col_ok[None, :]
+        tl.store(Y + row * N * d + j[:, None] * d + cols[None, :], acc.to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _hc_post_mix_bwd(X, OUT, H_POST, H_RES, G, GX, GOUT, GH_POST, GH_RES, d, hp_stride, hr_stride,
+                         N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
+        # with G the [NP, BLOCK] tile of dX': d out = sum_j h_post[j] G_j, d h_post[j] = <G_j, out>,
+        # then per stream m: dX_m = sum_j h_res[m, j] G_j and d h_res[m, j] = <X_m, G_j>
+        row = tl.program_id(0).to(tl.int64)
+        g, _, _ = _hc_tile(G, row, d, N, NP, BLOCK)
+        j = tl.arange(0, NP)
+        cols = tl.arange(0, BLOCK)
+        col_ok = cols < d
+        out = tl.load(OUT + row * d + cols, mask=col_ok, other=0.0).to(tl.float32)
+        h_post = tl.load(H_POST + row * hp_stride + j, mask=j < N, other=0.0).to(tl.float32)
+        tl.store(GOUT + row * d + cols, tl.sum(h_post[:, None] * g, axis=0).to(GOUT.dtype.element_ty), mask=col_ok)
+        tl.store(GH_POST + row * N + j, tl.sum(g * out[None, :], axis=1), mask=j < N)
+        for m in range(N):  # a loop, as in the forward
+            x_m = tl.load(X + (row * N + m) * d + cols, mask=col_ok, other=0.0).to(tl.float32)
+            h_m = tl.load(H_RES + row * hr_stride + m * N + j, mask=j < N, other=0.0).to(tl.float32)
+            tl.store(GX + (row * N + m) * d + cols, tl.sum(h_m[:, None] * g, axis=0).to(GX.dtype.element_ty),
+                     mask=col_ok)
+            tl.store(GH_RES + (row * N + m) * N + j, tl.sum(g * x_m[None, :], axis=1), mask=j < N)
+
+
+def _hc_shape(x):
+    """(rows M, streams n, width d, NP, BLOCK: the powers of two over n and d) of x [..., n, d]."""
+    n, d = x.shape[-2:]
+    return x.numel() // (n * d), n, d, triton.next_power_of_2(n), triton.next_power_of_2(d)
+
+
+def _streams(x):
+    """x [..., n, d] as a contiguous [M, n, d] (a copy only if x is not already contiguous)."""
+    return x.reshape(-1, *x.shape[-2:]).contiguous()
+
+
+def _hc_coefficient(h, lead, tail):
+    """A coefficient of shape [*lead, *tail] or shared by the rows (broadcast, e.g. [*tail]), as
+    (an [M, prod(tail)] view or copy with unit inner stride, its row stride): a shared one stays
+    one copy, read with row stride 0."""
+    rows = h.expand(*lead, *tail).reshape(-1, math.prod(tail))
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    return rows, rows.stride(0)
+
+
+def mhc_pre_mix_fwd_triton(x: Tensor, proj: Tensor, scale: Tensor, base: Tensor, norm_eps: float, pre_eps: float,
+                           post_mult: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Launch the forward kernel: (u [..., d] like x; h_post [..., n] fp32; res_logits [..., n, n] fp32)."""
+    M, n, d, NP, BLOCK = _hc_shape(x)
+    if proj.shape != (*x.shape[:-2], n * (n + 2)) or scale.numel() != 3 or base.numel() != n * (n + 2):
+        raise ValueError(f"mhc_pre_mix: for x {tuple(x.shape)} (n = {n}) proj must be {(*x.shape[:-2], n * (n + 2))}, "
+                         f"scale [3] and base [{n * (n + 2)}]; got {tuple(proj.shape)}, {tuple(scale.shape)}, "
+                         f"{tuple(base.shape)}")
+    x2 = _streams(x)
+    u = x2.new_empty(M, d)
+    h_post = torch.empty(M, n, device=x.device, dtype=acc_dtype(x))
+    res = torch.empty(M, n, n, device=x.device, dtype=acc_dtype(x))
+    _mhc_pre_mix_fwd[(M,)](x2, _rows(proj), scale.contiguous(), base.contiguous(), u, h_post, res, d, norm_eps,
+                           pre_eps, post_mult, N=n, NP=NP, BLOCK=BLOCK, num_warps=_warps(NP * BLOCK))
+    lead = x.shape[:-2]
+    return u.view(*lead, d), h_post.view(*lead, n), res.view(*lead, n, n)
+
+
+def mhc_pre_mix_bwd_triton(x: Tensor, proj: Tensor, scale: Tensor, base: Tensor, grad_u: Tensor, grad_h_post: Tensor,
+                           grad_res: Tensor, norm_eps: float, pre_eps: float,
+                           post_mult: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Launch the backward kernel: (grad x, grad proj, grad scale [3], grad base [K])."""
+    M, n, d, NP, BLOCK = _hc_shape(x)
+    x2, proj2 = _streams(x), _rows(proj)
+    gx, gproj = torch.empty_like(x2), torch.empty_like(proj2)
+    gc = torch.empty(M, n * (n + 2), device=x.device, dtype=torch.float32)
+    gs = torch.empty(M, 3, device=x.device, dtype=torch.float32)
+    _mhc_pre_mix_bwd[(M,)](x2, proj2, scale.contiguous(), base.contiguous(), _rows(grad_u), _rows(grad_h_post),
+                           grad_res.reshape(M, n * n).contiguous(), gx, gproj, gc, gs, d, norm_eps, pre_eps,
+                           post_mult, N=n, NP=NP, BLOCK=BLOCK, num_warps=_warps(NP * BLOCK))
+    return gx.view(x.shape), gproj.view(proj.shape), gs.sum(0).to(scale.dtype), gc.sum(0).to(base.dtype)
+
+
+def _sinkhorn_launch(logits):
+    """(the logits as a contiguous [M, n * n], M, n, NP, ROWS, grid): about 1024 values per program."""
+    n = logits.shape[-1]
+    l2 = logits.reshape(-1, n * n).contiguous()
+    NP = triton.next_power_of_2(n)
+    rows = max(1, 1024 // (NP * NP))
+    return l2, l2.shape[0], n, NP, rows, (triton.cdiv(l2.shape[0], rows),)
+
+
+def sinkhorn_fwd_triton(logits: Tensor, repeat: int, eps: float) -> Tensor:
+    """Launch the forward kernel, all iterations in one: H [..., n, n] fp32."""
+    l2, M, n, NP, ROWS, grid = _sinkhorn_launch(logits)
+    h = torch.empty(l2.shape, device=logits.device, dtype=acc_dtype(logits))
+    _sinkhorn_fwd[grid](l2, h, M, repeat, eps, N=n, NP=NP, ROWS=ROWS, num_warps=4)
+    return h.view(logits.shape)
+
+
+def sinkhorn_bwd_triton(logits: Tensor, grad: Tensor, repeat: int, eps: float) -> Tensor:
+    """Launch the backward kernel (it recomputes the iterates): grad logits, fp32."""
+    l2, M, n, NP, ROWS, grid = _sinkhorn_launch(logits)
+    dl = torch.empty(l2.shape, device=logits.device, dtype=acc_dtype(logits))
+    _sinkhorn_bwd[grid](l2, grad.reshape(M, n * n).contiguous(), dl, M, repeat, eps, N=n, NP=NP, ROWS=ROWS,
+                        num_warps=4)
+    return dl.view(logits.shape)
+
+
+def hc_post_mix_fwd_triton(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor) -> Tensor:
+    """Launch the forward kernel: X' like x, contiguous."""
+    M, n, d, NP, BLOCK = _hc_shape(x)
+    x2 = _streams(x)
+    y = torch.empty_like(x2)
+    hp, hp_stride = _hc_coefficient(h_post, x.shape[:-2], (n,))
+    hr, hr_stride = _hc_coefficient(h_res, x.shape[:-2], (n, n))
+    _hc_post_mix_fwd[(M,)](x2, _rows(out), hp, hr, y, d, hp_stride, hr_stride, N=n, NP=NP, BLOCK=BLOCK,
+                           num_warps=_warps(NP * BLOCK))
+    return y.view(x.shape)
+
+
+def hc_post_mix_bwd_triton(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor,
+                           grad: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Launch the backward kernel: (grad x, grad out, grad h_post [..., n] and grad h_res [..., n, n]
+    per row, fp32)."""
+    M, n, d, NP, BLOCK = _hc_shape(x)
+    x2, out2 = _streams(x), _rows(out)
+    gx, gout = torch.empty_like(x2), torch.empty_like(out2)
+    g_post = torch.empty(M, n, device=x.device, dtype=acc_dtype(x))
+    g_res = torch.empty(M, n, n, device=x.device, dtype=acc_dtype(x))
+    hp, hp_stride = _hc_coefficient(h_post, x.shape[:-2], (n,))
+    hr, hr_stride = _hc_coefficient(h_res, x.shape[:-2], (n, n))
+    _hc_post_mix_bwd[(M,)](x2, out2, hp, hr, _streams(grad), gx, gout, g_post, g_res, d, hp_stride, hr_stride,
+                           N=n, NP=NP, BLOCK=BLOCK, num_warps=_warps(NP * BLOCK))
+    lead = x.shape[:-2]
+    return gx.view(x.shape), gout.view(out.shape), g_post.view(*lead, n), g_res.view(*lead, n, n)
+
+
+mhc_pre_mix_op = custom_op("mhc_pre_mix", mhc_pre_mix_fwd_triton)
+mhc_pre_mix_backward_op = custom_op("mhc_pre_mix_backward", mhc_pre_mix_bwd_triton)
+sinkhorn_op = custom_op("sinkhorn", sinkhorn_fwd_triton)
+sinkhorn_backward_op = custom_op("sinkhorn_backward", sinkhorn_bwd_triton)
+hc_post_mix_op = custom_op("hc_post_mix", hc_post_mix_fwd_triton)
+hc_post_mix_backward_op = custom_op("hc_post_mix_backward", hc_post_mix_bwd_triton)
+
+
+@mhc_pre_mix_op.register_fake
+def _(x, proj, scale, base, norm_eps, pre_eps, post_mult):
+    n, d = x.shape[-2:]
+    lead = x.shape[:-2]
+    return (x.new_empty(*lead, d), x.new_empty(*lead, n, dtype=acc_dtype(x)),
+            x.new_empty(*lead, n, n, dtype=acc_dtype(x)))
+
+
+@mhc_pre_mix_backward_op.register_fake
+def _(x, proj, scale, base, grad_u, grad_h_post, grad_res, norm_eps, pre_eps, post_mult):
+    return torch.empty_like(x), torch.empty_like(proj), torch.empty_like(scale), torch.empty_like(base)
+
+
+@sinkhorn_op.register_fake
+def _(logits, repeat, eps):
+    return logits.new_empty(logits.shape, dtype=acc_dtype(logits))
+
+
+@sinkhorn_backward_op.register_fake
+def _(logits, grad, repeat, eps):
+    return logits.new_empty(logits.shape, dtype=acc_dtype(logits))
+
+
+@hc_post_mix_op.register_fake
+def _(x, out, h_post, h_res):
+    return x.new_empty(x.shape)
+
+
+@hc_post_mix_backward_op.register_fake
+def _(x, out, h_post, h_res, grad):
+    n = x.shape[-2]
+    return (x.new_empty(x.shape), out.new_empty(out.shape), x.new_empty(x.shape[:-1], dtype=acc_dtype(x)),
+            x.new_empty(*x.shape[:-1], n, dtype=acc_dtype(x)))
+
+
+def _mhc_pre_mix_setup(ctx, inputs, output):
+    x, proj, scale, base, *args = inputs
+    ctx.save_for_backward(x, proj, scale, base)
+    ctx.args = args
+
+
+def _mhc_pre_mix_backward(ctx, grad_u, grad_h_post, grad_res):
+    x, proj, scale, base = ctx.saved_tensors
+    n, d = x.shape[-2:]
+    if grad_u is None:  # an output nobody used
+        grad_u = x.new_zeros(*x.shape[:-2], d)
+    if grad_h_post is None:
+        grad_h_post = x.new_zeros(x.shape[:-1], dtype=acc_dtype(x))
+    if grad_res is None:
+        grad_res = x.new_zeros(*x.shape[:-1], n, dtype=acc_dtype(x))
+    grads = mhc_pre_mix_backward_op(x, proj, scale, base, grad_u, grad_h_post, grad_res, *ctx.args)
+    return *grads, None, None, None
+
+
+def _sinkhorn_setup(ctx, inputs, output):
+    logits, repeat, eps = inputs
+    ctx.save_for_backward(logits)
+    ctx.args = (repeat, eps)
+
+
+def _sinkhorn_backward(ctx, grad):
+    logits, = ctx.saved_tensors
+    return sinkhorn_backward_op(logits, grad, *ctx.args).to(logits.dtype), None, None
+
+
+def _hc_post_mix_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _hc_post_mix_backward(ctx, grad):
+    x, out, h_post, h_res = ctx.saved_tensors
+    g_x, g_out, g_post, g_res = hc_post_mix_backward_op(x, out, h_post, h_res, grad)
+    return g_x, g_out, _sum_to(g_post, h_post), _sum_to(g_res, h_res)  # a shared coefficient: summed over rows
+
+
+mhc_pre_mix_op.register_autograd(_mhc_pre_mix_backward, setup_context=_mhc_pre_mix_setup)
+sinkhorn_op.register_autograd(_sinkhorn_backward, setup_context=_sinkhorn_setup)
+hc_post_mix_op.register_autograd(_hc_post_mix_backward, setup_context=_hc_post_mix_setup)
+
+
+# the references: the launchers' contracts in plain PyTorch
+
+
+def _hc_scale(scale, n):
+    """scale [3] spread over the n + n + n*n coefficients, fp32."""
+    s = upcast(scale)
+    return torch.cat((s[0].expand(n), s[1].expand(n), s[2].expand(n * n)))
+
+
+def _mhc_coefficients(x, proj, scale, base, norm_eps, pre_eps, post_mult):
+    """(xf, rstd [..., 1], mixes = proj * rstd [..., K], sigmoid(c[:n]), sigmoid(c[n:2n]), res logits [..., n, n])
+    in fp32 (fp64 stays fp64)."""
+    n = x.shape[-2]
+    xf = upcast(x)
+    rstd = torch.rsqrt(xf.square().mean((-2, -1)) + norm_eps).unsqueeze(-1)
+    mixes = upcast(proj) * rstd
+    c = mixes * _hc_scale(scale, n).to(mixes.dtype) + upcast(base)
+    return (xf, rstd, mixes, torch.sigmoid(c[..., :n]), torch.sigmoid(c[..., n:2 * n]),
+            c[..., 2 * n:].unflatten(-1, (n, n)))
+
+
+@mhc_pre_mix_op.register_kernel("cpu")
+def mhc_pre_mix_fwd_torch(x: Tensor, proj: Tensor, scale: Tensor, base: Tensor, norm_eps: float, pre_eps: float,
+                          post_mult: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(u [..., d] in x's dtype; h_post [..., n] fp32; res_logits [..., n, n] fp32)."""
+    with fp32_math(x):
+        xf, rstd, mixes, sig_pre, sig_post, res = _mhc_coefficients(x, proj, scale, base, norm_eps, pre_eps, post_mult)
+        u = ((sig_pre + pre_eps).unsqueeze(-1) * xf).sum(-2)
+        return cast(u, x.dtype), sig_post * post_mult, res.contiguous()
+
+
+@mhc_pre_mix_backward_op.register_kernel("cpu")
+def mhc_pre_mix_bwd_torch(x: Tensor, proj: Tensor, scale: Tensor, base: Tensor, grad_u: Tensor, grad_h_post: Tensor,
+                          grad_res: Tensor, norm_eps: float, pre_eps: float,
+                          post_mult: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(grad x, grad proj, grad scale [3], grad base [K]): the forward's steps back, last to first."""
+    with fp32_math(x):
+        n, d = x.shape[-2:]
+        xf, rstd, mixes, sig_pre, sig_post, res = _mhc_coefficients(x, proj, scale, base, norm_eps, pre_eps, post_mult)
+        gu = upcast(grad_u)
+        g_pre = (xf * gu.unsqueeze(-2)).sum(-1)  # through u = sum_m h_pre[m] X_m
+        g_c = torch.cat((g_pre * sig_pre * (1 - sig_pre),  # through the sigmoids
+                         upcast(grad_h_post) * post_mult * sig_post * (1 - sig_post),
+                         upcast(grad_res).flatten(-2)), dim=-1)
+        g_mixes = g_c * _hc_scale(scale, n).to(g_c.dtype)  # through c = mixes * scale + base
+        g_rstd = (g_mixes * upcast(proj)).sum(-1, keepdim=True)  # through mixes = proj * rstd
+        # through rstd = (mean(X^2) + eps)^-1/2: d rstd / d X = -rstd^3 X / (n d)
+        g_x = (sig_pre + pre_eps).unsqueeze(-1) * gu.unsqueeze(-2) - (g_rstd * rstd ** 3 / (n * d)).unsqueeze(-1) * xf
+        parts = (g_c * mixes).reshape(-1, g_c.shape[-1])
+        g_scale = torch.stack((parts[:, :n].sum(), parts[:, n:2 * n].sum(), parts[:, 2 * n:].sum()))
+        return (g_x.to(x.dtype), (g_mixes * rstd).to(proj.dtype), g_scale.to(scale.dtype),
+                g_c.reshape(-1, g_c.shape[-1]).sum(0).to(base.dtype))
+
+
+class MHCPreMixTorch(torch.autograd.Function):
+    """The reference with autograd (impl="torch"): saves x, proj, scale and base (x is the stream,
+    which the projection's matmul saves too), and recomputes the coefficients in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, proj, scale, base, norm_eps, pre_eps, post_mult):
+        ctx.save_for_backward(x, proj, scale, base)
+        ctx.args = (norm_eps, pre_eps, post_mult)
+        return mhc_pre_mix_fwd_torch(x, proj, scale, base, *ctx.args)
+
+    @staticmethod
+    def backward(ctx, grad_u, grad_h_post, grad_res):
+        x, proj, scale, base = ctx.saved_tensors
+        grad_u = torch.zeros_like(x[..., 0, :]) if grad_u is None else grad_u
+        grad_h_post = x.new_zeros(x.shape[:-1], dtype=torch.float32) if grad_h_post is None else grad_h_post
+        grad_res = x.new_zeros(*x.shape[:-1], x.shape[-2], dtype=torch.float32) if grad_res is None else grad_res
+        return (*mhc_pre_mix_bwd_torch(x, proj, scale, base, grad_u, grad_h_post, grad_res, *ctx.args),
+                None, None, None)
+
+
+def mhc_pre_mix(x, proj, scale, base, norm_eps=1e-6, pre_eps=1e-6, post_mult=1.0, impl="auto"):
+    """mHC's coefficients and read for one sublayer. x [..., n, d] the streams; proj [..., n(n+2)] =
+    vec(x) phi^T (any float dtype); scale [3]; base [n(n+2)]. Returns (u [..., d] in x's dtype,
+    h_post [..., n] fp32, res_logits [..., n, n] fp32 for sinkhorn)."""
+    if use_triton(impl, x):
+        return mhc_pre_mix_op(x, proj, scale, base, norm_eps, pre_eps, post_mult)
+    return MHCPreMixTorch.apply(x, proj, scale, base, norm_eps, pre_eps, post_mult)
+
+
+def _sinkhorn_steps(logits, repeat, eps):
+    """The forward's iterates, computed with the matrix axes first ([n, n, ...]: every sum over an
+    axis adds whole rows of tokens, several times faster on a CPU than sums over the last axes):
+    ([(z, axis), ...], each z before it is divided by its sums over axis (0: columns, 1: rows); the
+    output). fp32 (fp64 stays fp64)."""
+    z = torch.softmax(upcast(logits).movedim((-2, -1), (0, 1)), dim=1) + eps
+    steps = []
+    for axis in (0,) + (1, 0) * (repeat - 1):
+        steps.append((z, axis))
+        z = z / (z.sum(axis, keepdim=True) + eps)
+    return steps, z
+
+
+@sinkhorn_op.register_kernel("cpu")
+def sinkhorn_fwd_torch(logits: Tensor, repeat: int, eps: float) -> Tensor:
+    """H [..., n, n] fp32, contiguous: columns sum to 1 (the last step), rows to 1 within the iterations' error."""
+    with fp32_math(logits):
+        return _sinkhorn_steps(logits, repeat, eps)[1].movedim((0, 1), (-2, -1)).contiguous()
+
+
+@sinkhorn_backward_op.register_kernel("cpu")
+def sinkhorn_bwd_torch(logits: Tensor, grad: Tensor, repeat: int, eps: float) -> Tensor:
+    """grad logits, fp32: the iterates recomputed, then each step back, last to first."""
+    with fp32_math(logits):
+        steps, _ = _sinkhorn_steps(logits, repeat, eps)
+        g = upcast(grad).movedim((-2, -1), (0, 1))
+        for z, axis in reversed(steps):  # y = z / (S + eps), S = sum_axis z: dz = (g - sum_axis(g y)) / (S + eps)
+            denom = z.sum(axis, keepdim=True) + eps
+            g = (g - (g * z).sum(axis, keepdim=True) / denom) / denom
+        p = steps[0][0] - eps  # the softmax
+        return (p * (g - (g * p).sum(1, keepdim=True))).movedim((0, 1), (-2, -1)).contiguous()
+
+
+class SinkhornTorch(torch.autograd.Function):
+    """The reference with autograd (impl="torch"): saves the logits only, as the fused kernel does."""
+
+    @staticmethod
+    def forward(ctx, logits, repeat, eps):
+        ctx.save_for_backward(logits)
+        ctx.args = (repeat, eps)
+        return sinkhorn_fwd_torch(logits, repeat, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, = ctx.saved_tensors
+        return sinkhorn_bwd_torch(logits, grad, *ctx.args).to(logits.dtype), None, None
+
+
+def sinkhorn(logits, repeat=10, eps=1e-6, impl="auto"):
+    """Sinkhorn-Knopp as in mHC's official code: logits [..., n, n] -> H [..., n, n] fp32, near
+    doubly stochastic (columns exact, rows within the iterations' error), whatever the autocast."""
+    if use_triton(impl, logits):
+        return sinkhorn_op(logits, repeat, eps)
+    return SinkhornTorch.apply(logits, repeat, eps)
+
+
+@hc_post_mix_op.register_kernel("cpu")
+def hc_post_mix_fwd_torch(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor) -> Tensor:
+    """X' [..., n, d] in x's dtype: X'_j = sum_m h_res[m, j] X_m + h_post[j] out, in fp32."""
+    with fp32_math(x):
+        xf = upcast(x)
+        mixed = torch.matmul(upcast(h_res).transpose(-1, -2), xf)
+        return cast(torch.addcmul(mixed, upcast(h_post).unsqueeze(-1), upcast(out).unsqueeze(-2)), x.dtype)
+
+
+@hc_post_mix_backward_op.register_kernel("cpu")
+def hc_post_mix_bwd_torch(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor,
+                          grad: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(grad x, grad out, grad h_post [..., n] fp32, grad h_res [..., n, n] fp32), per row."""
+    with fp32_math(x):
+        g, xf, of = upcast(grad), upcast(x), upcast(out)
+        g_x = torch.matmul(upcast(h_res), g)  # dX_m = sum_j h_res[m, j] dX'_j
+        g_out = torch.matmul(upcast(h_post).unsqueeze(-2), g).squeeze(-2)  # sum_j h_post[j] dX'_j
+        g_h_res = torch.matmul(xf, g.transpose(-1, -2))  # <X_m, dX'_j>
+        g_h_post = torch.matmul(g, of.unsqueeze(-1)).squeeze(-1)  # <dX'_j, out>
+        return g_x.to(x.dtype), g_out.to(out.dtype), g_h_post, g_h_res
+
+
+def _sum_to(g, t):
+    """A per-row gradient g summed to the shape of t (a coefficient shared by rows), in t's dtype."""
+    return g.sum_to_size(t.shape).to(t.dtype)
+
+
+class HCPostMixTorch(torch.autograd.Function):
+    """The reference with autograd (impl="torch"): saves x, out and the coefficients."""
+
+    @staticmethod
+    def forward(ctx, x, out, h_post, h_res):
+        ctx.save_for_backward(x, out, h_post, h_res)
+        return hc_post_mix_fwd_torch(x, out, h_post, h_res)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, out, h_post, h_res = ctx.saved_tensors
+        n = x.shape[-2]
+        g_x, g_out, g_post, g_res = hc_post_mix_bwd_torch(
+            x, out, h_post.expand(*x.shape[:-2], n), h_res.expand(*x.shape[:-2], n, n), grad)
+        return g_x, g_out, _sum_to(g_post, h_post), _sum_to(g_res, h_res)
+
+
+def hc_post_mix(x, out, h_post, h_res, impl="auto"):
+    """The hyper-connection write: X'_j = sum_m h_res[m, j] X_m + h_post[j] out. x [..., n, d];
+    out [..., d]; h_post [..., n] and h_res [..., n, n], per row or shared (broadcast). Returns X' in
+    x's dtype."""
+    if use_triton(impl, x):
+        return hc_post_mix_op(x, out, h_post, h_res)
+    return HCPostMixTorch.apply(x, out, h_post, h_res)

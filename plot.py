@@ -60,10 +60,21 @@ def labels(out_dirs, records):
 
 
 def plot_depth(out_dirs, it=None):
+    """RMS and update size against depth; with an hc or mhc run, a second row: the composite H_res
+    gain from the embedding to each sublayer (max row sum, solid; max column sum, dashed) and the
+    mean cosine between the n streams (1: collapsed)."""
     runs = [load_log(d) for d in out_dirs]
-    fig, (ax_rms, ax_upd) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for d, recs, label in zip(out_dirs, runs, labels(out_dirs, runs)):
-        rows = pick(recs, d, it)["diagnostics"]
+    picked = [pick(recs, d, it)["diagnostics"] for d, recs in zip(out_dirs, runs)]
+    streams = any("stream_cos" in r for rows in picked for r in rows)
+    fig, axes = plt.subplots(2 if streams else 1, 2, figsize=(11, 8.2 if streams else 4.2), squeeze=False)
+    (ax_rms, ax_upd) = axes[0]
+    for rows, label in zip(picked, labels(out_dirs, runs)):
+        if any("stream_cos" in r for r in rows):
+            hc = [r for r in rows if "gain_fwd" in r]
+            line, = axes[1][0].plot([r["sublayer"] for r in hc], [r["gain_fwd"] for r in hc], marker="o", label=label)
+            axes[1][0].plot([r["sublayer"] for r in hc], [r["gain_bwd"] for r in hc], "--", color=line.get_color())
+            cos = [r for r in rows if "stream_cos" in r]
+            axes[1][1].plot([r["sublayer"] for r in cos], [r["stream_cos"] for r in cos], marker="o", label=label)
         # the head's row is the stream the head reads: part of the RMS curve, but it makes no update
         ax_rms.plot([r["sublayer"] for r in rows], [r["rms"] for r in rows], marker="o", label=label)
         upd = [r for r in rows if "update" in r]
@@ -71,7 +82,11 @@ def plot_depth(out_dirs, it=None):
     ax_rms.set_yscale("log")  # modes differ by orders of magnitude in stream scale
     ax_rms.set_ylabel("RMS of the residual stream entering it")
     ax_upd.set_ylabel(r"relative update $\|x_{l+1} - x_l\| \,/\, \|x_l\|$")
-    for ax in (ax_rms, ax_upd):
+    if streams:
+        axes[1][0].set_ylabel("composite H_res gain (solid: max row sum, dashed: max column sum)")
+        axes[1][1].set_ylabel("mean cosine between the n streams")
+        axes[1][1].legend(fontsize=8)
+    for ax in axes.flat:
         ax.set_xlabel("sublayer (last point of RMS: the head)")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)

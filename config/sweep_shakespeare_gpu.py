@@ -8,5 +8,5 @@ train_config = "config/train_shakespeare_char.py"
 train_args = ["--compile=True"]
 budget = 1e16
 depths = [6, 12, 24, 48]
-residuals = ["prenorm", "sandwich", "nag", "attnres", "block_attnres"]
+residuals = ["prenorm", "sandwich", "nag", "attnres", "block_attnres", "hc", "mhc"]
 mod_runs = [("nag", "nag", 0.25), ("nag", "nag", 0.5)]  # nag with mod=nag at 0.25 and 0.5, at every depth

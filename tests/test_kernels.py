@@ -14,11 +14,14 @@ it is slow, so large widths come with few rows.
 Both paths see the same inputs and output gradients (rounded to the storage dtype); the reference
 computes in fp64, so the test measures the kernel's own error. An element passes when
 |x - ref| <= tol * (scale + |ref|) (+ fp16's subnormal step, 6e-8), scale being the RMS of its row
-([..., d] tensors) or of the whole tensor (vectors and per-row scalars). tol per dtype:
+([..., d] tensors) or of the whole tensor (vectors and per-row scalars). tol per storage dtype of
+the tensor compared (an fp32 output or gradient of a bf16 run, e.g. Sinkhorn's H or a coefficient's
+gradient, is held to fp32's):
     fp32 2e-4   fp32 dot products over up to 4096 terms that then cancel (seen: 7e-5 at d = 4096)
     fp16 4e-3   4 units in the last place of a stored fp16 (11 significant bits; seen: 7e-4)
     bf16 3e-2   4 units in the last place of a stored bf16 (8 significant bits; seen: 6e-3)
-A kernel that drops a term, an eps or a rescaling is off by far more."""
+A kernel that drops a term, an eps or a rescaling is off by far more (for the hyper-connection
+kernels each such change was tried once by hand, and failed these tests)."""
 import contextlib
 import functools
 import math
@@ -70,12 +73,15 @@ def assert_close(x, ref, dtype, what):
                            f"{(err / bound).max().item():.3g} x the bound ({dtype})")
 
 
-def compare(fn, inputs, dtype, layout="contiguous", seed=0):
+def compare(fn, inputs, dtype, layout="contiguous", seed=0, fp32=()):
     """fn(*inputs, impl=...) through the GPU path in `dtype` (its [rows, d] inputs in `layout`)
     against the reference (impl="torch") in fp64 on the same rounded values, with the same output
-    gradients; compares the outputs and every input's gradient."""
+    gradients; compares the outputs and every input's gradient, each at the tolerance of its own
+    storage dtype (an fp32 output computed from bf16 inputs must be exact to fp32). The inputs at
+    the indices `fp32` stay fp32 whatever `dtype` (coefficients beside a bf16 stream, as the model
+    passes them)."""
     torch.manual_seed(seed)
-    rounded = [x.to(dtype) for x in inputs]
+    rounded = [x.to(torch.float32 if i in fp32 else dtype) for i, x in enumerate(inputs)]
     a = [(in_layout(x.to(DEVICE), layout) if x.dim() >= 2 and x.shape[-1] > 1 else x.to(DEVICE))
          .detach().requires_grad_() for x in rounded]
     b = [x.to(DEVICE, torch.float64).detach().requires_grad_() for x in rounded]
@@ -88,12 +94,12 @@ def compare(fn, inputs, dtype, layout="contiguous", seed=0):
         grads = [torch.randn(o.shape, dtype=torch.float64).to(dtype).to(DEVICE, torch.float64) for o in out_b]
         for i, (x, y) in enumerate(zip(out_a, out_b)):
             assert x.shape == y.shape and x.dtype in (dtype, torch.float32)  # per-row statistics: fp32
-            assert_close(x, y, dtype, f"output {i}")
+            assert_close(x, y, x.dtype, f"output {i}")
         torch.autograd.backward(out_a, [g.to(o.dtype) for g, o in zip(grads, out_a)])
         torch.autograd.backward(out_b, grads)
     for i, (x, y) in enumerate(zip(a, b)):
         assert x.grad is not None and x.grad.dtype == x.dtype and x.grad.shape == x.shape
-        assert_close(x.grad, y.grad, dtype, f"grad of input {i}")
+        assert_close(x.grad, y.grad, x.dtype, f"grad of input {i}")
 
 
 # -----------------------------------------------------------------------------
@@ -286,6 +292,222 @@ def test_depth_attention_reference_gradcheck():
 
 
 # -----------------------------------------------------------------------------
+# hyper-connections: mhc_pre_mix, sinkhorn, hc_post_mix (n streams [rows, n, d] per token)
+
+# the widths above at n = 4 (the model's default), and n = 1, 3 (NP 4: masked streams) and 8 at d = 65
+HC_CASES = [(rows, d, 4, dtype) for rows, d in SHAPES for dtype in DTYPES] + \
+    [(9, 65, n, dtype) for n in (1, 3, 8) for dtype in DTYPES]
+# eps and norm_eps large enough that dropping one fails the fp32 tolerance (at 1e-6 they are below it)
+MHC_ARGS = dict(norm_eps=1e-3, pre_eps=0.05, post_mult=2.0)
+
+
+def mhc_inputs(rows, d, n, seed):
+    """(x, proj, scale, base): rows of streams from RMS 0.01 (below sqrt(norm_eps): the eps matters)
+    to 10, each stream at its own scale; proj = vec(x) phi^T, so that proj * rstd is O(1); scale and
+    base that put c in the sigmoids' curved range."""
+    torch.manual_seed(seed)
+    x = torch.randn(rows, n, d) * torch.logspace(-2, 1, rows).view(rows, 1, 1)
+    x = x * torch.logspace(-0.5, 0.5, n).view(n, 1)
+    K = n * (n + 2)
+    proj = x.flatten(-2) @ (torch.randn(K, n * d) / math.sqrt(n * d)).T
+    return x, proj, torch.tensor([0.8, 1.3, 1.7]), 0.5 * torch.randn(K)
+
+
+def mhc_fn(x, proj, scale, base, impl):
+    return kernels.mhc_pre_mix(x, proj, scale, base, **MHC_ARGS, impl=impl)
+
+
+@pytest.mark.parametrize("rows, d, n, dtype", HC_CASES, ids=str)
+def test_mhc_pre_mix(rows, d, n, dtype):
+    """x and proj in the storage dtype, scale and base fp32 (parameters); u in x's dtype, h_post
+    and res_logits fp32, at fp32's tolerance."""
+    compare(mhc_fn, list(mhc_inputs(rows, d, n, seed=rows + d + n)), dtype, fp32=(2, 3))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[1:])
+def test_mhc_pre_mix_layouts(layout):
+    compare(mhc_fn, list(mhc_inputs(9, 65, 4, seed=1)), torch.float32, layout)
+
+
+def test_mhc_pre_mix_batch_dims_and_storage_dtypes():
+    """[B, T, n, d] streams; bf16 scale and base (everything rounded to bf16)."""
+    x, proj, scale, base = mhc_inputs(6, 40, 4, seed=2)
+    compare(mhc_fn, [x.view(2, 3, 4, 40), proj.view(2, 3, 24), scale, base], torch.bfloat16)
+
+
+# (rows, n, repeat): 70 rows at n = 4 are two programs of 64 matrices, the second masked
+SINKHORN_CASES = [(rows, n, repeat, dtype) for rows, n, repeat in
+                  [(70, 4, 1), (70, 4, 2), (70, 4, 20), (1, 4, 20), (40, 2, 20), (40, 3, 20), (40, 8, 20)]
+                  for dtype in DTYPES]
+
+
+def sinkhorn_fn(eps, repeat):
+    return lambda logits, impl: kernels.sinkhorn(logits, repeat, eps, impl=impl)
+
+
+@pytest.mark.parametrize("rows, n, repeat, dtype", SINKHORN_CASES, ids=str)
+def test_sinkhorn(rows, n, repeat, dtype):
+    """Logits in the storage dtype, H fp32 at fp32's tolerance; the gradient in the logits' dtype.
+    eps 1e-3, which moves H by far more than the tolerance."""
+    torch.manual_seed(rows + n + repeat)
+    compare(sinkhorn_fn(1e-3, repeat), [2 * torch.randn(rows, n, n)], dtype)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[1:])
+def test_sinkhorn_layouts_and_default_eps(layout):
+    torch.manual_seed(0)
+    compare(sinkhorn_fn(1e-6, 10), [2 * torch.randn(2, 5, 4, 4)], torch.float32, layout)
+
+
+def test_sinkhorn_one_stream():
+    """n = 1: H is the one entry's normalisation, and the logits' gradient is 0 (a softmax over one
+    value is constant)."""
+    logits = torch.randn(5, 1, 1, device=DEVICE, requires_grad=True)
+    with gpu_path():
+        h = kernels.sinkhorn(logits, 20, 1e-3, impl="triton")
+        h.sum().backward()
+    torch.testing.assert_close(h.cpu(), kernels.sinkhorn(logits.detach().cpu(), 20, 1e-3, impl="torch"))
+    assert (logits.grad == 0).all()
+
+
+def sinkhorn_cols_rows(h):
+    return (h.sum(-2) - 1).abs().max().item(), (h.sum(-1) - 1).abs().max().item()
+
+
+def test_sinkhorn_is_doubly_stochastic():
+    """The GPU path's H: columns sum to 1 (the last step, within eps), rows to within the
+    iterations' error, which 20 iterations make small (seen on these logits: 0.43 after 1, 3e-5
+    after 20; logits of std 2 converge slower, 0.02 after 20)."""
+    torch.manual_seed(0)
+    logits = torch.randn(64, 4, 4, device=DEVICE)
+    with gpu_path():
+        cols, rows = sinkhorn_cols_rows(kernels.sinkhorn(logits, 20, impl="triton"))
+        rows_1 = sinkhorn_cols_rows(kernels.sinkhorn(logits, 1, impl="triton"))[1]
+    assert cols < 1e-5 and rows < 1e-4 and rows_1 > 0.1
+
+
+def post_inputs(rows, d, n, shared, seed):
+    """(x, out, h_post, h_res): per-row coefficients (mhc's: h_res doubly stochastic-ish) or shared
+    ones (hc's parameters), of both signs for h_res's off-diagonal when shared."""
+    torch.manual_seed(seed)
+    x = torch.randn(rows, n, d) * torch.logspace(-0.5, 0.5, n).view(n, 1)
+    out = torch.randn(rows, d)
+    lead = () if shared else (rows,)
+    h_post = 2 * torch.sigmoid(torch.randn(*lead, n))
+    h_res = torch.softmax(torch.randn(*lead, n, n), -1) if not shared else torch.eye(n) + 0.3 * torch.randn(n, n)
+    return [x, out, h_post, h_res]
+
+
+def post_fn(x, out, h_post, h_res, impl):
+    return kernels.hc_post_mix(x, out, h_post, h_res, impl=impl)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["per-row", "shared"])
+@pytest.mark.parametrize("rows, d, n, dtype", HC_CASES, ids=str)
+def test_hc_post_mix(rows, d, n, dtype, shared):
+    """x and out in the storage dtype, the coefficients fp32 (mhc's from sinkhorn, hc's
+    parameters); a shared coefficient's gradient is summed over the rows."""
+    compare(post_fn, post_inputs(rows, d, n, shared, seed=rows + d + n), dtype, fp32=(2, 3))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[1:])
+@pytest.mark.parametrize("shared", [False, True], ids=["per-row", "shared"])
+def test_hc_post_mix_layouts(layout, shared):
+    """Non-contiguous streams, output and coefficients (a transposed shared h_res is copied)."""
+    compare(post_fn, post_inputs(9, 65, 4, shared, seed=3), torch.float32, layout)
+
+
+def test_hc_post_mix_batch_dims_and_partial_broadcast():
+    """[B, T, n, d] streams with coefficients per token [B, T, ...], per position [T, ...] (broadcast
+    over B, copied per row by the launcher) and bf16 coefficients."""
+    x, out, h_post, h_res = post_inputs(6, 40, 4, False, seed=4)
+    x, out = x.view(2, 3, 4, 40), out.view(2, 3, 40)
+    compare(post_fn, [x, out, h_post.view(2, 3, 4), h_res.view(2, 3, 4, 4)], torch.bfloat16)
+    compare(post_fn, [x, out, h_post[:3], h_res[:3]], torch.float32)
+
+
+# the definitions, written without the references' folding: the RMSNorm before the projection,
+# Sinkhorn as alternating divisions, the post-mix as an einsum
+
+def mhc_definition(x, phi, scale, base, norm_eps, pre_eps, post_mult):
+    n = x.shape[-2]
+    flat = x.flatten(-2)
+    c = (flat / torch.sqrt(flat.square().mean(-1, keepdim=True) + norm_eps)) @ phi.T
+    pre = torch.sigmoid(scale[0] * c[..., :n] + base[:n]) + pre_eps
+    post = torch.sigmoid(scale[1] * c[..., n:2 * n] + base[n:2 * n]) * post_mult
+    res = (scale[2] * c[..., 2 * n:] + base[2 * n:]).unflatten(-1, (n, n))
+    return torch.einsum("...m,...md->...d", pre, x), post, res
+
+
+def sinkhorn_definition(logits, repeat, eps):
+    h = torch.softmax(logits, -1) + eps
+    h = h / (h.sum(-2, keepdim=True) + eps)
+    for _ in range(repeat - 1):
+        h = h / (h.sum(-1, keepdim=True) + eps)
+        h = h / (h.sum(-2, keepdim=True) + eps)
+    return h
+
+
+def post_definition(x, out, h_post, h_res):
+    return torch.einsum("...mj,...md->...jd", h_res, x) + h_post.unsqueeze(-1) * out.unsqueeze(-2)
+
+
+def same_values_and_grads(fn, definition, inputs):
+    """fn (the reference, impl="torch") and the definition through autograd: equal outputs and
+    input gradients, fp64."""
+    results = []
+    for f in (fn, definition):
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        outs = f(*leaves)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        torch.autograd.backward(outs, [torch.cos(torch.arange(o.numel(), dtype=o.dtype)).view(o.shape)
+                                       for o in outs])
+        results.append((outs, [t.grad for t in leaves]))
+    (outs, grads), (outs_d, grads_d) = results
+    for got, want in zip(outs + tuple(grads), outs_d + tuple(grads_d)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_hc_references_against_definitions():
+    """The three references (forward and hand-written backward) against the definitions through
+    autograd, fp64: proj = vec(x) phi^T folded with rstd afterwards, [B, T, ...] rows, per-row and
+    shared post-mix coefficients."""
+    torch.manual_seed(0)
+    B, T, n, d = 2, 3, 4, 5
+    dbl = dict(dtype=torch.float64)
+    x, phi = torch.randn(B, T, n, d, **dbl), torch.randn(n * (n + 2), n * d, **dbl) / math.sqrt(n * d)
+    scale, base = torch.tensor([0.8, 1.3, 1.7], **dbl), 0.5 * torch.randn(n * (n + 2), **dbl)
+    same_values_and_grads(
+        lambda x, phi, s, b: kernels.mhc_pre_mix(x, x.flatten(-2) @ phi.T, s, b, **MHC_ARGS, impl="torch"),
+        lambda x, phi, s, b: mhc_definition(x, phi, s, b, **MHC_ARGS), [x, phi, scale, base])
+    for repeat in (1, 2, 7):
+        same_values_and_grads(lambda l: kernels.sinkhorn(l, repeat, 1e-3, impl="torch"),
+                              lambda l: sinkhorn_definition(l, repeat, 1e-3), [2 * torch.randn(B, T, n, n, **dbl)])
+    out = torch.randn(B, T, d, **dbl)
+    for h_post, h_res in [(torch.rand(B, T, n, **dbl), torch.rand(B, T, n, n, **dbl)),  # per row, shared,
+                          (torch.rand(n, **dbl), torch.randn(n, n, **dbl)),  # and h_post per position
+                          (torch.rand(T, n, **dbl), torch.rand(n, n, **dbl))]:
+        same_values_and_grads(lambda *t: post_fn(*t, impl="torch"), post_definition, [x, out, h_post, h_res])
+
+
+def test_hc_references_gradcheck():
+    """The references' hand-written backwards against finite differences, fp64."""
+    torch.manual_seed(0)
+    dbl = dict(dtype=torch.float64, requires_grad=True)
+    n, d = 3, 5
+    x, proj = torch.randn(2, n, d, **dbl), torch.randn(2, n * (n + 2), **dbl)
+    scale, base = torch.tensor([0.8, 1.3, 1.7], **dbl), torch.randn(n * (n + 2), **dbl)
+    assert torch.autograd.gradcheck(lambda *t: mhc_fn(*t, impl="torch"), (x, proj, scale, base))
+    logits = torch.randn(2, n, n, **dbl)
+    for repeat in (1, 4):
+        assert torch.autograd.gradcheck(lambda l: kernels.sinkhorn(l, repeat, 1e-3, impl="torch"), (logits,))
+    out = torch.randn(2, d, **dbl)
+    for h_post, h_res in [(torch.rand(2, n, **dbl), torch.rand(2, n, n, **dbl)),
+                          (torch.rand(n, **dbl), torch.randn(n, n, **dbl))]:
+        assert torch.autograd.gradcheck(lambda *t: post_fn(*t, impl="torch"), (x, out, h_post, h_res))
+
+
+# -----------------------------------------------------------------------------
 # memory: what depth attention saves for the backward
 
 def saved_storage(fn):
@@ -347,18 +569,24 @@ def test_depth_attention_saves_bf16_under_autocast(impl):
 # -----------------------------------------------------------------------------
 # the ops: schema and registrations, and what torch.compile sees
 
-def all_kernels(x, w, r, u, a, s0, s1, s2, q, impl="triton"):
+def all_kernels(x, w, r, u, a, s0, s1, s2, q, hx, proj, scale, base, impl="triton"):
     y = kernels.rms_norm(x, w, impl=impl) + kernels.rms_norm(x, impl=impl)
     r_new, log_gain = kernels.nag_update(r, u, a, impl=impl)
     mix = kernels.depth_attention([s0, s1, s2], q, w, impl=impl)
-    return y, r_new, log_gain, mix
+    # an mhc sublayer's mixes around a stand-in sublayer (2 u), and hc's post-mix with shared coefficients
+    hu, h_post, res_logits = kernels.mhc_pre_mix(hx, proj, scale, base, impl=impl)
+    h_res = kernels.sinkhorn(res_logits, 3, impl=impl)
+    written = kernels.hc_post_mix(hx, 2 * hu, h_post, h_res, impl=impl)
+    shared = kernels.hc_post_mix(hx, hu, base[:4], base[8:].view(4, 4), impl=impl)
+    return y, r_new, log_gain, mix, written, shared
 
 
 def kernel_inputs(dtype=torch.float32, rows=6, d=16, device=DEVICE):
     torch.manual_seed(0)
     r = unit_rms_centred(rows, d)
     inputs = [torch.randn(rows, d), 1 + 0.3 * torch.randn(d), r, torch.randn(rows, d), torch.rand(rows, 1),
-              *(torch.randn(rows, d) for _ in range(3)), torch.randn(d)]
+              *(torch.randn(rows, d) for _ in range(3)), torch.randn(d),
+              torch.randn(rows, 4, d), torch.randn(rows, 24), torch.tensor([0.8, 1.3, 1.7]), 0.5 * torch.randn(24)]
     return [x.to(device, dtype).requires_grad_() for x in inputs]
 
 
@@ -367,26 +595,41 @@ def test_opcheck(path):
     """torch.library.opcheck: schema, autograd registration, fake tensors, AOT dispatch (which runs
     the backward op too), for each op with the inputs all_kernels gives it: through the ops' CPU
     implementations, and (forward ops, for the interpreter's time) through the GPU path."""
-    x, w, r, u, a, s0, s1, s2, q = kernel_inputs()
+    x, w, r, u, a, s0, s1, s2, q, hx, proj, scale, base = kernel_inputs()
     _, rstd = kernels.rms_norm_op(x, w, 1e-6)
     _, lse = kernels.depth_attention_op([s0, s1, s2], q, w, 1e-6)
     g = torch.randn_like(x)
+    hu, h_post, res_logits = (t.detach() for t in kernels.mhc_pre_mix_op(hx, proj, scale, base, 1e-6, 1e-6, 2.0))
+    h_res = torch.softmax(res_logits, -1).requires_grad_()
+    h_post.requires_grad_()
+    hx0, gx = hx.detach(), torch.randn_like(hx)
     cases = [(kernels.rms_norm_op, (x, w, 1e-6)), (kernels.rms_norm_op, (x, None, 1e-6)),
              (kernels.rms_norm_backward_op, (g, x.detach(), w.detach(), rstd.detach())),
              (kernels.nag_update_op, (r, u, a, 1e-6)), (kernels.nag_update_op, (r, u, a[:1, 0], 1e-6)),
              (kernels.nag_update_backward_op, (r.detach(), u.detach(), a.detach(), g, g[:, :1], 1e-6)),
              (kernels.depth_attention_op, ([s0, s1, s2], q, w, 1e-6)),
              (kernels.depth_attention_backward_op, ([s.detach() for s in (s0, s1, s2)], q.detach(), w.detach(),
-                                                    lse.detach(), g, 1e-6))]
-    if path == "gpu-path":
-        cases = [cases[0], cases[3], cases[6]]  # rms_norm, nag_update, depth_attention
+                                                    lse.detach(), g, 1e-6)),
+             (kernels.mhc_pre_mix_op, (hx, proj, scale, base, 1e-3, 0.05, 2.0)),
+             (kernels.mhc_pre_mix_backward_op, (hx0, proj.detach(), scale.detach(), base.detach(), torch.randn_like(hu),
+                                                h_post.detach(), res_logits, 1e-3, 0.05, 2.0)),
+             (kernels.sinkhorn_op, (res_logits.clone().requires_grad_(), 3, 1e-6)),
+             (kernels.sinkhorn_backward_op, (res_logits, h_res.detach(), 3, 1e-6)),
+             (kernels.hc_post_mix_op, (hx, u, h_post, h_res)),
+             (kernels.hc_post_mix_op, (hx, u, base[:4], base[8:].view(4, 4))),  # shared coefficients
+             (kernels.hc_post_mix_backward_op, (hx0, hu, h_post.detach(), h_res.detach(), gx)),
+             (kernels.hc_post_mix_backward_op, (hx0, hu, base[:4].detach(), base[8:].view(4, 4).detach(), gx))]
+    if path == "gpu-path":  # rms_norm, nag_update, depth_attention, mhc_pre_mix, sinkhorn, hc_post_mix (x2)
+        cases = [cases[i] for i in (0, 3, 6, 8, 10, 12, 13)]
     with gpu_path() if path == "gpu-path" else contextlib.nullcontext():
         for op, args in cases:
             torch.library.opcheck(op, args)
 
 
-# the six kernels the launchers launch (_log1p and _source are helpers that kernels call)
-LAUNCHED = ("_rms_norm_fwd", "_rms_norm_bwd", "_nag_fwd", "_nag_bwd", "_depth_attention_fwd", "_depth_attention_bwd")
+# the twelve kernels the launchers launch (_log1p, _source, _hc_tile, ... are helpers that kernels call)
+LAUNCHED = ("_rms_norm_fwd", "_rms_norm_bwd", "_nag_fwd", "_nag_bwd", "_depth_attention_fwd", "_depth_attention_bwd",
+            "_mhc_pre_mix_fwd", "_mhc_pre_mix_bwd", "_sinkhorn_fwd", "_sinkhorn_bwd",
+            "_hc_post_mix_fwd", "_hc_post_mix_bwd")
 
 
 def test_gpu_path_launches_the_triton_kernels(monkeypatch):
@@ -405,7 +648,7 @@ def test_gpu_path_launches_the_triton_kernels(monkeypatch):
 
     for name in LAUNCHED:
         monkeypatch.setattr(kernels, name, Recording(name, getattr(kernels, name)))
-    assert len(kernel_ops()) == 6  # a forward and a backward op per kernel
+    assert len(kernel_ops()) == 12  # a forward and a backward op per kernel
     inputs = kernel_inputs()
     for impl, want in (("torch", set()), ("triton", set(LAUNCHED))):
         launched.clear()
@@ -419,10 +662,13 @@ def test_ops_cpu_gradcheck():
     """The ops on CPU tensors, fp64: their CPU implementations (the references) through the ops'
     registered autograd (setup_context, the backward ops), against finite differences."""
     inputs = kernel_inputs(torch.float64, rows=3, d=7, device="cpu")
-    x, w, r, u, a, s0, s1, s2, q = [t.detach().requires_grad_() for t in inputs]
-    assert torch.autograd.gradcheck(lambda *t: all_kernels(*t), (x, w, r, u, a, s0, s1, s2, q))
+    x, w, r, u, a, s0, s1, s2, q, *hc = [t.detach().requires_grad_() for t in inputs]
+    assert torch.autograd.gradcheck(lambda *t: all_kernels(*t), (x, w, r, u, a, s0, s1, s2, q, *hc))
     a1 = torch.tensor([0.4], dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda r, u, a: kernels.nag_update(r, u, a, impl="triton"), (r, u, a1))
+
+
+FORWARD_OPS = ("rms_norm", "nag_update", "depth_attention", "mhc_pre_mix", "sinkhorn", "hc_post_mix")
 
 
 def test_compile_sees_the_ops():
@@ -445,16 +691,13 @@ def test_compile_sees_the_ops():
     inputs = kernel_inputs()
     torch._dynamo.reset()
     torch.compile(all_kernels, backend=recording(dynamo_graphs), fullgraph=True)(*inputs)
-    assert {"nanodepth.rms_norm.default", "nanodepth.nag_update.default",
-            "nanodepth.depth_attention.default"} <= targets(dynamo_graphs)
+    assert {f"nanodepth.{op}.default" for op in FORWARD_OPS} <= targets(dynamo_graphs)
     torch._dynamo.reset()
     aot = aot_autograd(fw_compiler=recording(forward_graphs), bw_compiler=recording(backward_graphs))
     outs = torch.compile(all_kernels, backend=aot, fullgraph=True)(*inputs)
     torch.autograd.backward([o for o in outs if o.requires_grad], [torch.ones_like(o) for o in outs if o.requires_grad])
-    assert {"nanodepth.rms_norm.default", "nanodepth.nag_update.default",
-            "nanodepth.depth_attention.default"} <= targets(forward_graphs)
-    assert {"nanodepth.rms_norm_backward.default", "nanodepth.nag_update_backward.default",
-            "nanodepth.depth_attention_backward.default"} <= targets(backward_graphs)
+    assert {f"nanodepth.{op}.default" for op in FORWARD_OPS} <= targets(forward_graphs)
+    assert {f"nanodepth.{op}_backward.default" for op in FORWARD_OPS} <= targets(backward_graphs)
     torch._dynamo.reset()
 
 
@@ -497,10 +740,15 @@ def test_impl_choice(monkeypatch):
         kernels.use_triton("triton", x)
 
 
-@pytest.mark.parametrize("residual", ["prenorm", "nag", "block_attnres"])
+def model_residuals():
+    from model import RESIDUALS
+    return ["prenorm", "nag", "block_attnres"] + [r for r in ("hc", "mhc") if r in RESIDUALS]
+
+
+@pytest.mark.parametrize("residual", model_residuals())
 def test_model_same_loss_and_gradients_with_either_impl(residual):
     """The whole model through the GPU path (RMSNorm everywhere, nag's write-back, depth
-    attention) against the same weights through the references."""
+    attention, hyper-connections' mixes and Sinkhorn) against the same weights through the references."""
     from model import GPT, GPTConfig
     results = []
     for impl in ("triton", "torch"):

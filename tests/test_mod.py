@@ -195,12 +195,14 @@ def test_training_attention_runs_the_kept_tokens_in_order_at_their_own_positions
 # skipped tokens: the stream stays exactly as it was, and they are not keys
 
 def contribution(model, old, new):
-    """Per token, what a sublayer write may change: nag (r, s); prenorm/sandwich x; attnres the sum
+    """Per token, what a sublayer write may change: nag (r, s); prenorm/sandwich x; hc/mhc the n streams; attnres the sum
     of the block the write lands in (0 before the block's first write)."""
     if model.config.residual == "nag":
         return torch.cat(old, -1), torch.cat(new, -1)
     if model.config.residual in ("prenorm", "sandwich"):
         return old, new
+    if model.config.residual in ("hc", "mhc"):  # the n streams, side by side
+        return old[0].flatten(-2), new[0].flatten(-2)
     (blocks, partial), (new_blocks, new_partial) = old, new
     assert all(a is b for a, b in zip(blocks, new_blocks))  # finished blocks are never touched
     before = torch.zeros_like(blocks[0]) if partial is None else partial

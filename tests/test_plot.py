@@ -84,6 +84,25 @@ def test_depth(runs, tmp_path, capsys):
         plot.main(["depth", runs["nag"], "--iter=0", f"--out={out}"])
 
 
+MHC = [{**r, "stream_cos": 1.0 - 0.1 * r["sublayer"], "gain_fwd": 1.0 + 0.01 * r["sublayer"],
+        "gain_bwd": 1.0 - 0.01 * r["sublayer"]} for r in PRENORM]
+
+
+def test_depth_draws_the_streams_of_hc_runs(runs, tmp_path):
+    """An hc/mhc run adds a row: the composite H_res gains (max row sum solid, max column sum dashed)
+    and the streams' mean cosine, per sublayer and the head; a run without them draws no line there."""
+    mhc = write_run(tmp_path, "mhc", "mhc", MHC)
+    fig = plot.main(["depth", mhc, runs["prenorm"], f"--out={tmp_path / 'd.png'}"])
+    assert len(fig.axes) == 4
+    ax_gain, ax_cos = fig.axes[2:]
+    fwd, bwd = ax_gain.lines
+    assert list(fwd.get_xdata()) == [1, 2, 3, 4, 5] and list(fwd.get_ydata()) == [r["gain_fwd"] for r in MHC]
+    assert list(bwd.get_ydata()) == [r["gain_bwd"] for r in MHC] and bwd.get_linestyle() == "--"
+    assert [list(l.get_ydata()) for l in ax_cos.lines][0] == [r["stream_cos"] for r in MHC]
+    assert len(fig.axes[0].lines) == 2  # both runs in the RMS panel
+    assert len(plot.main(["depth", runs["prenorm"], f"--out={tmp_path / 'p.png'}"]).axes) == 2
+
+
 def test_weights(runs, tmp_path):
     out = tmp_path / "weights.png"
     fig = plot.main(["weights", runs["attnres"], f"--out={out}"])

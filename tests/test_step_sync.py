@@ -96,6 +96,8 @@ MODES = {
     "nag": dict(residual="nag"),
     "mod-nag": dict(residual="nag", mod="nag", mod_rate=0.25),
     "skip_middle": dict(residual="sandwich", mod="skip_middle", mod_rate=0.25),
+    "hc-dynamic": dict(residual="hc", hc_dynamic=True),
+    "mhc": dict(residual="mhc"),
 }
 
 
@@ -195,6 +197,47 @@ def test_step_stats_flops_from_device_counts_equal_the_float_sums():
         exec_sum = frac if exec_sum is None else [a + b for a, b in zip(exec_sum, frac)]
     assert stats.flops == want and stats.exec_sum == exec_sum and stats.exec_n == 3
     assert stats.executed == []
+
+
+def test_kernel_launchers_make_no_host_sync(monkeypatch):
+    """Every Triton launcher, forward and backward (the hyper-connections' included: Sinkhorn's
+    iteration count and a shared coefficient's row stride are host values, never read from a tensor),
+    reads nothing back to the host. The launchers are called directly (inside a custom op, the
+    dispatch mode would not see their torch calls) with the kernels stubbed: a launch is recorded,
+    not run."""
+    pytest.importorskip("triton")
+    import kernels
+    from test_kernels import LAUNCHED, kernel_inputs
+    launched = set()
+
+    class Stub:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            launched.add(self.name)
+            return lambda *args, **kw: None
+
+    for name in LAUNCHED:
+        monkeypatch.setattr(kernels, name, Stub(name))
+    x, w, r, u, a, s0, s1, s2, q, hx, proj, scale, base = (t.detach() for t in kernel_inputs(device="cpu"))
+    g = torch.ones_like(x)
+    with HostReads() as reads:
+        _, rstd = kernels.rms_norm_fwd_triton(x, w, 1e-6)
+        kernels.rms_norm_bwd_triton(g, x, w, rstd)
+        kernels.nag_update_fwd_triton(r, u, a, 1e-6)
+        kernels.nag_update_bwd_triton(r, u, a, g, a, 1e-6)
+        _, lse = kernels.depth_attention_fwd_triton([s0, s1, s2], q, w, 1e-6)
+        kernels.depth_attention_bwd_triton([s0, s1, s2], q, w, lse, g, 1e-6)
+        hu, h_post, res_logits = kernels.mhc_pre_mix_fwd_triton(hx, proj, scale, base, 1e-6, 1e-6, 2.0)
+        kernels.mhc_pre_mix_bwd_triton(hx, proj, scale, base, hu, h_post, res_logits, 1e-6, 1e-6, 2.0)
+        h_res = kernels.sinkhorn_fwd_triton(res_logits, 20, 1e-6)
+        kernels.sinkhorn_bwd_triton(res_logits, h_res, 20, 1e-6)
+        for hp, hr in ((h_post, h_res), (base[:4], base[8:].view(4, 4))):  # per row (mhc), shared (hc)
+            kernels.hc_post_mix_fwd_triton(hx, hu, hp, hr)
+            kernels.hc_post_mix_bwd_triton(hx, hu, hp, hr, hx)
+    assert launched == set(LAUNCHED)
+    assert reads.ops == []
 
 
 def test_batches_are_drawn_one_ahead_and_unchanged(data_dir, monkeypatch):
