@@ -83,7 +83,8 @@ def plot_depth(out_dirs, it=None):
     ax_rms.set_ylabel("RMS of the residual stream entering it")
     ax_upd.set_ylabel(r"relative update $\|x_{l+1} - x_l\| \,/\, \|x_l\|$")
     if streams:
-        axes[1][0].set_ylabel("composite H_res gain (solid: max row sum, dashed: max column sum)")
+        axes[1][0].set_ylabel("composite H_res gain")
+        axes[1][0].set_title("solid: max row sum, dashed: max column sum", fontsize=9)
         axes[1][1].set_ylabel("mean cosine between the n streams")
         axes[1][1].legend(fontsize=8)
     for ax in axes.flat:
