@@ -2,7 +2,8 @@
 # settings of config/sweep_depth16_cpu.py (the quickstart recipe at 1000 iterations, equal iterations
 # and tokens for every mode, with diagnostics), 3 seeds. Read beside the five other modes with
 # python flops.py results docs/sweep_depth16_cpu.csv docs/sweep_depth16_hc_cpu.csv
-# 6 runs, two at a time; hc costs 1.4x prenorm's step on this CPU, mhc 2.2x:
+# 6 runs, two at a time; hc costs 1.5x prenorm's step on this CPU, mhc 2.7x (bench.py, fp32): 2 hours
+# on 2 cores with other work on the machine (docs/experiments.md, "Hyper-connections"):
 # OMP_NUM_THREADS=1 python flops.py sweep config/sweep_depth16_hc_cpu.py
 
 sweep_name = "sweep_depth16_hc_cpu"
