@@ -771,6 +771,16 @@ if triton is not None:
         return tl.load(X + off, mask=mask, other=0.0).to(tl.float32), off, mask
 
     @triton.jit
+    def _mhc_row(X, row, d, norm_eps, N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
+        # the row's streams (the [NP, BLOCK] tile, its offsets and mask), their rstd over all n*d values,
+        # and the coefficients' indices: m over the n streams (mask mm), res over the n x n entries
+        x, off, mask = _hc_tile(X, row, d, N, NP, BLOCK)
+        rstd = tl.rsqrt(tl.sum(x * x) / (N * d) + norm_eps)
+        m = tl.arange(0, NP)
+        mm = m < N
+        return x, off, mask, rstd, m, mm, m[:, None] * N + m[None, :], mm[:, None] & mm[None, :]
+
+    @triton.jit
     def _mhc_part(PROJ, BASE, s, row, rstd, start, idx, mask, K):
         # one part of the coefficients (pre, post or res) at entries start + idx of the row's K:
         # (proj's entries, c = proj * rstd * s + base), 0 where masked
@@ -782,12 +792,7 @@ if triton is not None:
                          N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
         # the stream is read once: its rstd, then the read u = sum_m h_pre[m] X_m from the same tile
         row = tl.program_id(0).to(tl.int64)
-        x, _, _ = _hc_tile(X, row, d, N, NP, BLOCK)
-        rstd = tl.rsqrt(tl.sum(x * x) / (N * d) + norm_eps)
-        m = tl.arange(0, NP)
-        mm = m < N
-        res = m[:, None] * N + m[None, :]
-        res_mask = mm[:, None] & mm[None, :]
+        x, _, _, rstd, m, mm, res, res_mask = _mhc_row(X, row, d, norm_eps, N, NP, BLOCK)
         K = N * (N + 2)
         _, c_pre = _mhc_part(PROJ, BASE, tl.load(SCALE).to(tl.float32), row, rstd, 0, m, mm, K)
         _, c_post = _mhc_part(PROJ, BASE, tl.load(SCALE + 1).to(tl.float32), row, rstd, N, m, mm, K)
@@ -805,12 +810,7 @@ if triton is not None:
         # writes the gradient of c (GC [M, K]) and the row's three terms of the scale's gradient
         # (GS [M, 3]); the launcher sums them over rows.
         row = tl.program_id(0).to(tl.int64)
-        x, off, mask = _hc_tile(X, row, d, N, NP, BLOCK)
-        rstd = tl.rsqrt(tl.sum(x * x) / (N * d) + norm_eps)
-        m = tl.arange(0, NP)
-        mm = m < N
-        res = m[:, None] * N + m[None, :]
-        res_mask = mm[:, None] & mm[None, :]
+        x, off, mask, rstd, m, mm, res, res_mask = _mhc_row(X, row, d, norm_eps, N, NP, BLOCK)
         K = N * (N + 2)
         s_pre = tl.load(SCALE).to(tl.float32)
         s_post = tl.load(SCALE + 1).to(tl.float32)
