@@ -51,9 +51,13 @@ def _literal(text):
 def key_comments(sources):
     """{key: the comment after it on its line} for the keys of each (path, name) in sources: every
     `name = dict(key=value, ...)` of that file (at module level or in a class body: model.py's mode
-    options) or its dataclass `class name: key: type = value`."""
+    options) or its dataclass `class name: key: type = value`; a callable in sources gives {key: comment}."""
     comments = {}
-    for path, name in sources:
+    for source in sources:
+        if callable(source):  # comments made at --help time, e.g. from a registry: {key: comment}
+            comments.update(source())
+            continue
+        path, name = source
         with open(path) as f:
             source = f.read()
         # comments after code on their line (tokenize, so a '#' inside a string is not one)

@@ -32,8 +32,8 @@ class GPTConfig:
     n_head: int = 12  # attention heads; n_embd / n_head must be even (RoPE)
     n_embd: int = 768  # width d of the residual stream
     dropout: float = 0.0  # in training only (a run setting: resume may change it)
-    residual: str = "prenorm"  # the residual mode: prenorm | sandwich | nag | attnres | block_attnres | hc | mhc
-    mod: str = "none"  # Mixture-of-Depths: none | nag | router | skip_middle
+    residual: str = "prenorm"  # the residual mode: a name in RESIDUALS (--help lists them)
+    mod: str = "none"  # Mixture-of-Depths: a name in MODS (--help lists them)
     mod_rate: float = 0.0  # target fraction of (token, sublayer) pairs that skip the sublayer
     kernels: str = "auto"  # auto (Triton on CUDA tensors) | triton | torch: see kernels.py
 
@@ -173,31 +173,51 @@ class Residual(nn.Module):
       write(state, l, out) -> state       sublayer l's output written back
       head(state, lm_head) -> logits
       write_kept(state, l, out, route)    Mixture-of-Depths: the write of a sublayer that ran only the
-                                          tokens of `route`; every other token's stream is left as is
+                                          tokens of `route`
       skip(state, l) -> state             the same when no token ran sublayer l
       value(state, l) -> x                diagnostics: the stream as sublayer l sees it (l = 2L: the head)
       stats(state, l) -> dict             diagnostics: the mode's own figures
+      tokens(state) -> [tensor]           every per-token tensor the stream keeps, [B, T, ...] each
     and it declares, next to its code:
       options        its GPTConfig keys: name=default, or name=(valid values, the default first)
       mods           the MoD modes it works with (besides none)
       ops            the fused custom ops (nanodepth::...) its forward uses
       embed_std      the token embedding's init std
+      starts_as      the mode whose logits it gives at init, with the same backbone weights and its
+                     default options ("prenorm"), or None; a generic test holds it to that
       flops(config)  the forward FLOPs per token it adds beyond the backbone, by name; every registered
                      class defines its own (flops.py refuses to guess); vector_flops names the terms
                      that are not matmuls, routed_flops the terms spent only on the tokens a sublayer
                      runs (evenly over the sublayers: MoD scales them by the executed fraction)
       check(config)  its own checks of its options: one-line errors that name the fix
-      no_decay_parameters()  its parameters that take no weight decay (norms and scalars never do)
+      no_decay_parameters()  its parameters that take no weight decay (norms and scalars never do);
+                     every registered class with parameters defines its own (GPT.configure_optimizers
+                     refuses to guess), [] when the rule for norms and scalars covers them
+      decay_parameters()  its parameters of 2 or more dimensions that are projections and decay like
+                     a Linear's weight; any other such parameter must be in one of the two lists
+    The rules a mode keeps, each held by a generic test (tests/test_new_mode.py, tests/test_mod.py):
+      - MoD: a token that skips sublayer l keeps its stream bit for bit. write_kept leaves the skipped
+        tokens exactly as skip() leaves every token, and skip() changes nothing the state already
+        held for any token: it may only append (attnres records a 0 output).
+      - Override skip() when the state carries per-layer work (a history of outputs, a count of
+        writes, a source list): the default returns the state as is, right only when a write changes
+        nothing but the tokens' values.
+      - Override value() and tokens() when the state is not one [B, T, d] tensor.
+      - Override perturb() when a parameter has a valid region that its parameterisation does not
+        keep: the generic tests move every parameter off init with it.
     Optional hooks, no-ops here: set_warmup(scale) before each iteration, after_step(skipped) after
     each optimizer step, describe() for train.py's banner.
     A new mode is a subclass and one line in RESIDUALS."""
-    options, mods, ops, vector_flops, routed_flops, embed_std = {}, (), (), (), (), 0.02
+    options, mods, ops, vector_flops, routed_flops, embed_std, starts_as = {}, (), (), (), (), 0.02, None
 
     @staticmethod
     def check(config):
         pass
 
     def no_decay_parameters(self):
+        return []
+
+    def decay_parameters(self):
         return []
 
     def set_warmup(self, scale):
@@ -215,17 +235,29 @@ class Residual(nn.Module):
     def value(self, state, l):
         return state
 
+    def tokens(self, state):
+        return [state]
+
     def stats(self, state, l):
         return {}
+
+    @torch.no_grad()
+    def perturb(self, std, generator):
+        """Tests: move every parameter off its init, by Gaussian noise of about std."""
+        for p in self.parameters():
+            p.add_(std * torch.randn(p.shape, generator=generator).to(p))
 
 
 class PreNorm(Residual):
     """nanoGPT's baseline: x = x + f(RMSNorm(x)); the head reads RMSNorm(x)."""
-    mods, ops = ("router",), ("rms_norm",)
+    mods, ops, starts_as = ("router",), ("rms_norm",), "prenorm"
 
     @staticmethod
     def flops(config):
         return {}  # norms are not counted
+
+    def no_decay_parameters(self):
+        return []  # norms only
 
     def __init__(self, config):
         super().__init__()
@@ -389,7 +421,10 @@ class GPT(nn.Module):
         if gate_lr_scale != 1.0 and gate_decay:
             raise ValueError("gate_decay=True needs gate_lr_scale=1: the gate group has no decay")
         gates = self.stream.gate_parameters() if gate_lr_scale != 1.0 else []
-        exempt = {id(p) for part in (self.stream, self.mod) if part is not None for p in part.no_decay_parameters()}
+        parts = [part for part in (self.stream, self.mod) if part is not None]
+        for part in parts:
+            check_decay_declared(part)
+        exempt = {id(p) for part in parts for p in part.no_decay_parameters()}
         if gate_decay:
             exempt -= {id(p) for p in self.stream.gate_parameters()}
         params = [p for p in self.parameters() if p.requires_grad and all(p is not g for g in gates)]
@@ -472,6 +507,23 @@ class GPT(nn.Module):
         return self.stream.head(_last_position(state), self.lm_head)[..., :self.config.vocab_size]
 
 
+def check_decay_declared(part):
+    """A mode (residual or MoD) says which of its parameters take weight decay: a class with parameters
+    defines its own no_decay_parameters(), and every parameter of 2 or more dimensions is a Linear or
+    Embedding weight (decayed) or in no_decay_parameters() or decay_parameters(). An inherited list, or
+    a matrix in neither, would be a silent guess: a one-line error names the fix."""
+    cls = type(part).__name__
+    if any(True for _ in part.parameters()) and "no_decay_parameters" not in vars(type(part)):
+        raise ValueError(f"{cls} states no no_decay_parameters(): give it its own (model.py's Residual says how; "
+                         f"return [] when its norms and scalars are all it has)")
+    declared = {id(p) for p in (*part.no_decay_parameters(), *part.decay_parameters())}
+    declared |= {id(m.weight) for m in part.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+    for name, p in part.named_parameters():
+        if p.dim() >= 2 and id(p) not in declared:
+            raise ValueError(f"{cls}.{name} {list(p.shape)} is neither a Linear weight nor in no_decay_parameters() "
+                             f"or decay_parameters(): list it in the one that says whether it takes weight decay")
+
+
 def _last_position(state):
     """Keep only the last token of every tensor in a stream state (a tensor or a tuple/list of them)."""
     if state is None or torch.is_tensor(state):
@@ -485,11 +537,14 @@ def _last_position(state):
 class Sandwich(PreNorm):
     """peri-LN: the embedding and every sublayer output are normalised too:
     x0 = RMSNorm(e); x = x + RMSNorm_post(f(RMSNorm_pre(x)))."""
-    mods = ("router", "skip_middle")
+    mods, starts_as = ("router", "skip_middle"), None
 
     @staticmethod
     def flops(config):
         return {}  # norms are not counted
+
+    def no_decay_parameters(self):
+        return []  # norms only
 
     def __init__(self, config):
         super().__init__(config)
@@ -534,12 +589,15 @@ class NAG(Residual):
         nag_m_floor=1e-6,  # nag: the modulator's mixture is clamped >= this before ** beta (nag-nanochat's; 0: none)
     )
     mods, ops = ("nag",), ("nag_update",)
+    vector_flops = ("nag_modulator_mix",)
     embed_std = 1.0  # so e^s starts near 1; with 0.02 the logits would start 50x too small
     floor_at, dead_below = 1e-6, 0.05  # diagnostics, nag-nanochat's gate health: p at the floor; mean |a| of a dead branch
 
     @staticmethod
     def flops(config):
-        return {"nag_modulator": 2 * config.nag_channels * config.n_embd * config.n_sublayers}
+        C, n = config.nag_channels, config.n_sublayers
+        # the projection r -> C logits (a matmul), and the mix p = sum_i softmax(c)_i sigmoid(.)_i (a mat-vec)
+        return {"nag_modulator": 2 * C * config.n_embd * n, "nag_modulator_mix": 2 * C * n}
 
     @staticmethod
     def check(config):
@@ -608,6 +666,9 @@ class NAG(Residual):
     def value(self, state, l):
         r, s = state
         return torch.exp(s) * r
+
+    def tokens(self, state):
+        return list(state)
 
     def stats(self, state, l):
         if l >= len(self.modulators):
@@ -688,6 +749,12 @@ class AttnRes(Residual):
         self.norm_f = RMSNorm(d, config.kernels)
         self.impl, self.config = config.kernels, config
 
+    def no_decay_parameters(self):
+        return []  # queries and norm weights are vectors
+
+    def decay_parameters(self):
+        return [] if self.static_query else list(self.query_projs)  # W_l, a projection
+
     def embed(self, e):
         # every source in the compute dtype (bf16 under autocast), so none is promoted to fp32
         if torch.is_autocast_enabled(e.device.type):
@@ -700,6 +767,9 @@ class AttnRes(Residual):
         O(L^2 d) per token."""
         blocks, partial = state
         return blocks if partial is None else blocks + [partial]
+
+    def tokens(self, state):
+        return self.sources(state)  # a write adds to the partial sum or starts one; finished blocks stay
 
     def query(self, sources, l):
         """q_l: the pseudo-query [d], or (attnres_query="input") W_l RMSNorm(latest source) [..., d]."""
@@ -769,6 +839,9 @@ class BlockAttnRes(AttnRes):
     def flops(cls, config):
         return super().flops(config)  # AttnRes's terms, over this partition's sources
 
+    def no_decay_parameters(self):
+        return super().no_decay_parameters()  # AttnRes's
+
     @staticmethod
     def check(config):
         N = config.attnres_blocks
@@ -806,7 +879,7 @@ class HyperConnections(Residual):
         hc_streams=4,  # hc, mhc: n, the residual streams (each n_embd wide)
         hc_dynamic=False,  # hc: False: static mixing matrices | True: plus per-token terms (the paper's DHC)
     )
-    mods, ops = ("router",), ("rms_norm", "hc_post_mix")
+    mods, ops, starts_as = ("router",), ("rms_norm", "hc_post_mix"), "prenorm"
     vector_flops = ("hc_read", "hc_write")
     routed_flops = ("hc_mix", "hc_write")  # under MoD a skipped token's streams are neither mixed nor written
 
@@ -849,6 +922,9 @@ class HyperConnections(Residual):
     def no_decay_parameters(self):
         # the mixing matrices (stacked per sublayer, so 2-D and 3-D) take no weight decay
         return [self.pre, self.res, self.post] + ([self.dynamic_scale] if self.dynamic else [])
+
+    def decay_parameters(self):
+        return [self.dynamic_proj] if self.dynamic else []  # W_m, W_r, W_b: projections of the normed streams
 
     def describe(self):
         return f" x {self.n} streams"
@@ -899,6 +975,9 @@ class HyperConnections(Residual):
 
     def value(self, state, l):
         return state[0].mean(-2)  # the streams' mean: at hc's init, prenorm's stream
+
+    def tokens(self, state):
+        return [state[0]]  # the n streams (the mixes and the composite are not the stream)
 
     def stats(self, state, l):
         """The streams' mean pairwise cosine ("stream_cos", 1: collapsed), and the composite H_res
@@ -982,7 +1061,10 @@ class MHC(HyperConnections):
         self.post_mult, self.repeat = float(config.mhc_post_mult), config.mhc_sinkhorn_repeat
 
     def no_decay_parameters(self):
-        return [self.scale, self.base, self.head_scale, self.head_base]  # phi decays, as any projection
+        return [self.scale, self.base, self.head_scale, self.head_base]
+
+    def decay_parameters(self):
+        return [self.phi, self.head_phi]  # projections of the flattened streams, as any projection
 
     def mixes(self, X, l):
         """(u, h_post, h_res): the read and the coefficients, from one projection of the streams."""
@@ -1147,7 +1229,7 @@ def block_route(ctx, block, make):
 
 class MoD(nn.Module):
     """A Mixture-of-Depths mode. Besides route(), it declares what a residual mode does (options, check,
-    flops, no_decay_parameters; see Residual) and planned_fractions(config): per sublayer, the fraction
+    flops, no_decay_parameters, decay_parameters; see Residual) and planned_fractions(config): per sublayer, the fraction
     of tokens that FLOP plans count (counted_dense: no fixed capacity, so dense is an upper bound)."""
     options, counted_dense, unused_parameters, vector_flops, routed_flops = {}, False, False, (), ()
 
@@ -1160,6 +1242,9 @@ class MoD(nn.Module):
         return [1.0] * config.n_sublayers
 
     def no_decay_parameters(self):
+        return []
+
+    def decay_parameters(self):
         return []
 
     def routing_score(self, stream, state, l, scores):
@@ -1337,6 +1422,9 @@ class RouterMoD(TopKMoD):
                 nn.Sequential(nn.Linear(d, w), nn.GELU(), nn.Linear(w, 1)) for _ in range(n))
             # the last training forward's BCE per predictor (for logs and tests)
             self.register_buffer("predictor_bce", torch.full((n,), float("nan")), persistent=False)
+
+    def no_decay_parameters(self):
+        return []  # the routers and predictors are Linear layers: they decay
 
     def route(self, stream, state, x, l, ctx):
         if self.layout == "sublayer":

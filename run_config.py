@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from configurator import ConfigError
-from model import GPT, GPTConfig
+from model import GPT, MODS, RESIDUALS, GPTConfig
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 EVAL_SEED = 12345  # evals use the same batches every time, in every run: losses are comparable
@@ -70,8 +70,14 @@ DEFAULTS = dict(
     seed=1337,  # init and batches; DDP ranks add their rank
 )
 # where DEFAULTS are written: configurator's --help prints the comment on each key's line
+def mode_comments():
+    """--help's lines for the mode switches, from the registries (a new mode is listed by its registry line)."""
+    return {"residual": "the residual mode: " + " | ".join(RESIDUALS),
+            "mod": "Mixture-of-Depths: " + " | ".join(MODS)}
+
+
 HELP_FROM = [(os.path.abspath(__file__), "DEFAULTS"), (os.path.join(REPO, "model.py"), "GPTConfig"),
-             (os.path.join(REPO, "model.py"), "options")]  # each mode's options
+             (os.path.join(REPO, "model.py"), "options"), mode_comments]  # each mode's options; the modes
 # every GPTConfig field but vocab_size (it comes from the data), e.g. residual, mod, mod_rate, skip_target
 MODEL_KEYS = [f.name for f in fields(GPTConfig) if f.name != "vocab_size"]
 DEFAULTS.update({f.name: f.default for f in fields(GPTConfig) if f.name != "vocab_size"})

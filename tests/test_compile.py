@@ -18,9 +18,7 @@ SHAPE = dict(block_size=16, vocab_size=65, n_layer=2, n_head=2, n_embd=32)
 def make_model(seed=0, **kw):
     torch.manual_seed(seed)
     model = GPT(GPTConfig(**{**SHAPE, **kw}))
-    with torch.no_grad():  # off the init, so that every gain, query and norm weight matters
-        for p in model.stream.parameters():
-            p.add_(0.2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    model.stream.perturb(0.2, torch.Generator().manual_seed(seed))  # off init: every gain, query and mix matters
     return model
 
 

@@ -329,6 +329,76 @@ def test_mhc_with_the_official_post_mult_is_not_prenorm_at_init():
     assert diff > 1e-3, diff
 
 
+def test_hc_sublayer_l_reads_stream_l_mod_n_at_init():
+    """hc's init (Algorithm 2): A_m of sublayer l is one-hot at stream l mod n. With n = 4 streams and
+    6 sublayers the reads go round the streams (0, 1, 2, 3, 0, 1); fed n distinct streams, read() of
+    sublayer l returns its pre-norm of stream l mod n, and of no other stream."""
+    model = GPT(tiny("hc", n_layer=3)).double()
+    n, L, d = model.config.hc_streams, model.config.n_sublayers, model.config.n_embd
+    X = torch.randn(2, 3, n, d, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with torch.no_grad():
+        for norm in model.stream.norms:  # gains off 1, so that each sublayer's own norm shows
+            norm.weight.uniform_(0.5, 1.5)
+        for l in range(L):
+            u = model.stream.read([X, None, None], l)
+            read = [m for m in range(n) if torch.allclose(u, rms_norm(X[:, :, m], model.stream.norms[l].weight))]
+            assert read == [l % n], f"sublayer {l} reads stream(s) {read}, not stream {l % n} (l mod n)"
+    want = torch.zeros(L, n, dtype=torch.float64)
+    for l in range(L):
+        want[l, l % n] = 1.0
+    pre = model.stream.pre.detach()
+    assert torch.equal(pre, want), f"A_m at init:\n{pre}\nnot one-hot at l mod n:\n{want}"
+
+
+def write_map(model, l, post, res):
+    """The linear part of sublayer l's write, as the model applies it: the [n, n] (per token [..., n, n])
+    matrix M with X' = M X for a zero sublayer output. It is the write of the n unit streams e_m (d = n):
+    row j of M is the new stream j."""
+    n = model.config.hc_streams
+    E = torch.eye(n, dtype=res.dtype).expand(*res.shape[:-2], n, n)
+    return model.stream.write([E, (torch.zeros_like(post), res), None], l, torch.zeros_like(E[..., 0, :]))[0]
+
+
+@pytest.mark.parametrize("options", [dict(residual="hc"), dict(residual="mhc", mhc_sinkhorn_repeat=1)],
+                         ids=["hc", "mhc_one_sinkhorn_step"])
+def test_composite_gains_are_of_the_map_from_the_embedding(options, monkeypatch):
+    """diagnostics()' gain_fwd / gain_bwd at sublayer l are the max row / column sum of |C_l|, mean over
+    tokens, where C_l = M_l ... M_1 maps the embedding's streams to the streams after sublayer l's write
+    (M_k: the write's linear part, from the model's own write; the head: all of them). Every H_res here
+    has unequal row and column sums (hc: random res; mhc: one Sinkhorn step, so only the columns are
+    normalised): the composite of the H_res in the other orientation (H_l ... H_1) has other gains."""
+    torch.manual_seed(0)
+    model = randomise(GPT(tiny(**options)).double().eval())
+    n, L = model.config.hc_streams, model.config.n_sublayers
+    seen = {}
+    mixes = model.stream.mixes
+
+    def spy(X, l):  # every sublayer's coefficients, as stats() and read() compute them
+        out = mixes(X, l)
+        seen[l] = (out[1], out[2])
+        return out
+
+    monkeypatch.setattr(model.stream, "mixes", spy)
+    idx = batch()
+    with torch.no_grad():
+        rows = model.diagnostics(idx)
+        C = wrong = torch.eye(n, dtype=torch.float64)
+        for l in range(L + 1):  # the head's row: the composite through the last sublayer
+            if l < L:
+                post, res = seen[l]
+                res = res.expand(*idx.shape, n, n)
+                C = write_map(model, l, post.expand(*idx.shape, n), res) @ C
+                wrong = res @ wrong
+            gains = {}
+            for name, m in (("right", C), ("wrong", wrong)):
+                a = m.abs()
+                gains[name] = (a.sum(-1).amax(-1).mean().item(), a.sum(-2).amax(-1).mean().item())
+            got = (rows[l]["gain_fwd"], rows[l]["gain_bwd"])
+            assert got == pytest.approx(gains["right"], rel=1e-12), \
+                f"row {l + 1}: (gain_fwd, gain_bwd) {got}, of the composite map {gains['right']}"
+            assert got != pytest.approx(gains["wrong"], rel=1e-3), f"row {l + 1}: both orientations give {got}"
+
+
 # -----------------------------------------------------------------------------
 # 4. weight decay
 

@@ -757,9 +757,7 @@ def test_model_same_loss_and_gradients_with_either_impl(residual):
         config = GPTConfig(block_size=16, vocab_size=65, n_layer=2, n_head=2, n_embd=48, residual=residual,
                            kernels=impl, **blocks)
         model = GPT(config).to(DEVICE)
-        with torch.no_grad():  # off the init, so that AttnRes queries and norm weights matter
-            for p in model.stream.parameters():
-                p.add_(0.2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).to(DEVICE))
+        model.stream.perturb(0.2, torch.Generator().manual_seed(0))  # off init: queries, mixes and norm weights matter
         idx = torch.randint(0, 65, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
         with gpu_path():
             _, loss = model(idx, idx)

@@ -1,6 +1,11 @@
-"""Adding a residual mode is one class and one registry line. ReZero (x = x + alpha_l f(x), alpha_l = 0
-at init; Bachlechner et al. 2020) is defined here, registered with one line, and put through the
-checks every mode gets. The checks are generic: they run on every registered mode as well."""
+"""Adding a residual mode is one class and one registry line, and a wrong mode fails a generic test.
+
+Two modes are defined here and registered with one line each: ReZero (x = x + alpha_l f(x), alpha_l = 0
+at init; Bachlechner et al. 2020) and DepthWeighted, a DenseFormer-style depth-weighted average with a
+learned 2-D matrix over depth that starts as prenorm. Both go through the checks every registered mode
+gets. Then realistic bugs are planted in DepthWeighted, one at a time, and each is caught by a generic
+check with a message that names the problem (test_a_planted_bug_fails_a_generic_check)."""
+import collections
 import os
 import sys
 from dataclasses import asdict
@@ -8,12 +13,13 @@ from dataclasses import asdict
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import flops  # noqa: E402
 import model as model_module  # noqa: E402
-from model import GPT, GPTConfig, RMSNorm, Residual  # noqa: E402
+from model import GPT, GPTConfig, RMSNorm, Residual, Route  # noqa: E402
 from test_flops import counted_flops  # noqa: E402
 
 
@@ -45,23 +51,87 @@ class ReZero(Residual):
     def head(self, x, lm_head):
         return lm_head(self.norm_f(x))
 
+    def no_decay_parameters(self):
+        return []  # alpha is a vector
+
+
+class DepthWeighted(Residual):
+    """A depth-weighted average after every sublayer (DenseFormer's DWA, per sublayer): sublayer l reads
+    RMSNorm(Y_l) and adds its output, X_{l+1} = Y_l + f_l, and the stream becomes
+    Y_{l+1} = sum_{j <= l+1} alpha[l, j] X_j over X_0 = the embedding and every X since. alpha [2L, 2L+1]
+    starts as the identity (alpha[l, l+1] = 1), so the model starts as prenorm. The state is
+    [Y, X_0, X_1, ...]: a history that grows by one per sublayer, skipped or not."""
+    mods, ops, starts_as = ("router",), ("rms_norm",), "prenorm"
+    vector_flops = ("dwa_mix",)  # a weighted sum over the history: broadcasts, not a matmul
+
+    @staticmethod
+    def flops(config):
+        return {"dwa_mix": 2 * config.n_embd * sum(l + 2 for l in range(config.n_sublayers))}
+
+    @staticmethod
+    def init_alpha(n):
+        return torch.diag(torch.ones(n), 1)[:n]  # alpha[l, l + 1] = 1
+
+    def __init__(self, config):
+        super().__init__()
+        n, d = config.n_sublayers, config.n_embd
+        self.norms = nn.ModuleList(RMSNorm(d, config.kernels) for _ in range(n))
+        self.norm_f = RMSNorm(d, config.kernels)
+        self.alpha = nn.Parameter(self.init_alpha(n))
+
+    def no_decay_parameters(self):
+        return [self.alpha]  # mixing weights, as DenseFormer's
+
+    def embed(self, e):
+        return [e, e]
+
+    def read(self, state, l):
+        return self.norms[l](state[0])
+
+    def mix(self, history, l):
+        H = torch.stack(history)
+        w = self.alpha[l, :len(history)].to(H.dtype)
+        return (w.view(-1, *[1] * (H.dim() - 1)) * H).sum(0)
+
+    def write(self, state, l, out):
+        history = state[1:] + [state[0] + out]
+        return [self.mix(history, l)] + history
+
+    def write_kept(self, state, l, out, route):
+        x = route.scatter_add(state[0], route.weigh(out))  # a skipped token's X_{l+1} is its Y_l
+        history = state[1:] + [x]
+        ran = route.ran(*x.shape[:2], x.device).unsqueeze(-1)
+        return [torch.where(ran, self.mix(history, l), state[0])] + history
+
+    def skip(self, state, l):
+        return [state[0]] + state[1:] + [state[0]]  # the history still grows: X_{l+1} = Y_l
+
+    def head(self, state, lm_head):
+        return lm_head(self.norm_f(state[0]))
+
+    def value(self, state, l):
+        return state[0]
+
+    def tokens(self, state):
+        return list(state)
+
 
 @pytest.fixture(autouse=True)
-def rezero(monkeypatch):
+def new_modes(monkeypatch):
     monkeypatch.setitem(model_module.RESIDUALS, "rezero", ReZero)  # the one registry line
+    monkeypatch.setitem(model_module.RESIDUALS, "dwa", DepthWeighted)
 
 
-MODES = [*model_module.RESIDUALS, "rezero"]
+MODES = [*model_module.RESIDUALS, "rezero", "dwa"]
 SHAPE = dict(block_size=16, vocab_size=65, n_layer=2, n_head=2, n_embd=32)
 
 
 def make(residual, seed=0, **kw):
-    """A model off its init: every parameter of the mode nudged, so no write is exactly zero."""
+    """A model off its init: every parameter of the mode moved by its own perturb(), so no write is
+    exactly zero and no mixing matrix is the identity."""
     torch.manual_seed(seed)
     model = GPT(GPTConfig(**{**SHAPE, "residual": residual, **kw}))
-    with torch.no_grad():
-        for p in model.stream.parameters():
-            p.add_(0.2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    model.stream.perturb(0.2, torch.Generator().manual_seed(seed))
     return model
 
 
@@ -174,12 +244,225 @@ def test_bf16_autocast_keeps_the_stream_dtype(residual, monkeypatch):
     assert len(seen) == 2 * SHAPE["n_layer"] and all(d == first for d in seen), (first, seen)
 
 
-def test_rezero_takes_router_mod():
-    """The MoD modes a mode declares work with it: a skipped token's stream is left as it was."""
-    model = make("rezero", mod="router", mod_rate=0.5, mod_inference="threshold").train()
+@pytest.mark.parametrize("residual", ["rezero", "dwa"])
+def test_the_new_modes_take_router_mod(residual):
+    """The MoD modes a mode declares work with it; the others are a one-line error."""
+    model = make(residual, mod="router", mod_rate=0.5, mod_inference="threshold").train()
     idx = tokens()
     _, loss = model(idx, idx)
     loss.backward()
     assert model.stream.alpha.grad.abs().max() > 0 and model.mod.routers[0].weight.grad.abs().max() > 0
-    with pytest.raises(ValueError, match="mod=nag does not work with residual=rezero"):
-        GPTConfig(**SHAPE, residual="rezero", mod="nag", mod_rate=0.25)
+    with pytest.raises(ValueError, match=f"mod=nag does not work with residual={residual}"):
+        GPTConfig(**SHAPE, residual=residual, mod="nag", mod_rate=0.25)
+
+
+# -----------------------------------------------------------------------------
+# the contract's checks: each a function, so that a planted bug can be shown to fail it
+
+def check_starts_as(residual):
+    """A mode that declares starts_as = "prenorm" gives prenorm's logits at init with prenorm's backbone
+    weights: float64, every RMSNorm eps 0 (a norm removes a scale only up to its eps), to 1e-6 (mhc's
+    Sinkhorn eps leaves column sums 1 - 1e-6: 5e-7 in the logits)."""
+    cls = model_module.RESIDUALS[residual]
+    assert cls.starts_as is None or cls.starts_as in model_module.RESIDUALS, \
+        f"{residual}: starts_as={cls.starts_as!r} is not a residual mode"
+    if cls.starts_as is None:
+        return
+    models = []
+    for name in (cls.starts_as, residual):
+        torch.manual_seed(0)
+        models.append(GPT(GPTConfig(**SHAPE, residual=name)).double().eval())
+    base, other = models
+    missing, unexpected = other.load_state_dict(base.state_dict(), strict=False)  # the backbone: base's
+    assert all(k.startswith("stream.") for k in missing + unexpected), (missing, unexpected)
+    for m in (*base.modules(), *other.modules()):
+        if isinstance(m, RMSNorm):
+            m.eps = 0.0
+    idx = tokens()
+    with torch.no_grad():
+        want, got = base(idx, idx)[0], other(idx, idx)[0]
+    err = (got - want).abs().max().item()
+    assert err <= 1e-6, f"{residual} declares starts_as={cls.starts_as!r}, but its logits at init differ " \
+                        f"from {cls.starts_as}'s by {err:.3g}: its init is not {cls.starts_as}"
+
+
+def check_decay(residual):
+    """configure_optimizers knows, from the mode's own declarations, which parameters decay (else a
+    one-line error), and it decays exactly the Linear/Embedding weights and decay_parameters()."""
+    model = make(residual)
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
+    decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    stream = model.stream
+    for name, p in stream.named_parameters():
+        declared = any(p is q for q in stream.decay_parameters())
+        linear = any(p is m.weight for m in stream.modules() if isinstance(m, (nn.Linear, nn.Embedding)))
+        exempt = any(p is q for q in stream.no_decay_parameters())
+        assert (id(p) in decayed) == ((declared or linear) and not exempt and p.dim() >= 2), \
+            f"{residual}: stream.{name} {list(p.shape)} {'decays' if id(p) in decayed else 'does not decay'}"
+
+
+def check_skip(residual):
+    """MoD's rule: skip(state, l) leaves the state as write_kept leaves a token that no route keeps, for
+    every token, and changes nothing the state already held (it may only append)."""
+    model = make(residual)
+    stream, B, T, d = model.stream, 2, 8, SHAPE["n_embd"]
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        state = stream.embed(model.wte(tokens(T=T)))
+        for l in range(len(model.sublayers)):
+            stream.read(state, l)
+            out = torch.randn(B, T, d, generator=g)
+            nobody = Route(torch.arange(T).expand(B, T), executed=0, valid=torch.zeros(B, T, 1, dtype=torch.bool))
+            nobody.score = torch.rand(B, T, 1, generator=g)  # what a top-k route carries (mod=nag writes with it)
+            before = [t.clone() for t in stream.tokens(state)]
+            kept = stream.tokens(stream.write_kept(state, l, out, nobody))
+            skipped = stream.tokens(stream.skip(state, l))
+            assert len(kept) == len(skipped), (
+                f"{residual}, sublayer {l}: skip() leaves {len(skipped)} per-token tensors, write_kept() with no "
+                f"token kept {len(kept)}: the state carries per-layer work, so the mode must override skip()")
+            for i, (a, b) in enumerate(zip(kept, skipped)):
+                assert torch.equal(a, b), (f"{residual}, sublayer {l}: skip() and write_kept() with no token kept "
+                                           f"differ in tensor {i}: override skip() to do what write_kept does")
+            for i, (a, b) in enumerate(zip(before, skipped)):
+                assert torch.equal(a, b), f"{residual}, sublayer {l}: skip() changed tensor {i} of the stream"
+            state = stream.write(state, l, out)
+
+
+class ElementCounter(TorchDispatchMode):
+    """FLOPs per token of the aten ops that touch the tokens' B T rows: matmuls (mm, bmm, addmm,
+    baddbmm: 2 per multiply-add), and the vector work: the multiply-adds of adds, subtractions,
+    products, sums and mat-vecs, 1 per element (addcmul and mat-vecs 2). Nonlinearities and divides
+    are not FLOPs here, as norms and softmaxes are not in flops.py; paused > 0 stops the count."""
+    MATMULS = ("mm", "bmm", "addmm", "baddbmm")
+    POINTWISE = {"add": 1, "add_": 1, "sub": 1, "sub_": 1, "rsub": 1, "mul": 1, "mul_": 1, "addcmul": 2}
+    REDUCTIONS = {"sum": 1, "mean": 1, "mv": 2, "dot": 2}
+
+    def __init__(self, B, T):
+        super().__init__()
+        self.B, self.T, self.paused, self.flops = B, T, 0, collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        tensors = [t for t in torch.utils._pytree.tree_leaves((args, out)) if torch.is_tensor(t)]
+        # a tensor of the tokens' rows has B T rows (B T = 21: no parameter at SHAPE has a multiple of it)
+        if self.paused or not any(t.numel() % (self.B * self.T) == 0 and t.numel() > 0 for t in tensors):
+            return out
+        if name in self.MATMULS:
+            a, b = [t for t in args if torch.is_tensor(t)][-2:]
+            self.flops["matmul"] += 2 * a.numel() * b.shape[-1]
+        elif name in self.POINTWISE:
+            self.flops["vector"] += self.POINTWISE[name] * out.numel()
+        elif name in self.REDUCTIONS:
+            self.flops["vector"] += self.REDUCTIONS[name] * args[0].numel()
+        return out
+
+
+def stream_flops(residual, monkeypatch, B=3, T=7):
+    """(matmul, vector) FLOPs per token of the mode's embed, reads, writes and head, each sublayer's
+    output a given tensor; the norms and the NAG write-back paused (flops.py does not count them)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**SHAPE, "residual": residual, "kernels": "torch"}))
+    model.stream.perturb(0.2, torch.Generator().manual_seed(0))
+    counter = ElementCounter(B, T)
+
+    def paused(f):
+        def run(*args, **kwargs):
+            counter.paused += 1
+            try:
+                return f(*args, **kwargs)
+            finally:
+                counter.paused -= 1
+        return run
+    for op in ("rms_norm", "nag_update"):
+        monkeypatch.setattr(model_module, op, paused(getattr(model_module, op)))
+    outs = torch.randn(len(model.sublayers), B, T, SHAPE["n_embd"])
+    with torch.no_grad(), counter:
+        state = model.stream.embed(model.wte(torch.randint(0, 65, (B, T))))
+        for l in range(len(model.sublayers)):
+            model.stream.read(state, l)
+            state = model.stream.write(state, l, outs[l])
+        model.stream.head(state, model.lm_head)
+    monkeypatch.undo()
+    return counter.flops["matmul"] / (B * T), counter.flops["vector"] / (B * T)
+
+
+def check_element_flops(residual, monkeypatch):
+    """What the mode's stream methods compute beyond prenorm's equals what its flops() declares: the
+    matmuls exactly, and the vector terms within a factor of 1.5 plus a slack of 4d + V (the embedding's
+    and the head's own normalisation and scale, which flops.py leaves out with the norms). A term left
+    out, or filed as a matmul when it is computed as broadcasts (or the reverse), fails."""
+    config = GPTConfig(**SHAPE, residual=residual)
+    parts = flops.mode_flops(config)
+    vector_terms = set(model_module.RESIDUALS[residual].vector_flops)
+    declared_matmul = sum(v for k, v in parts.items() if k not in vector_terms)
+    declared_vector = sum(v for k, v in parts.items() if k in vector_terms)
+    matmul, vector = (a - b for a, b in zip(stream_flops(residual, monkeypatch), stream_flops("prenorm", monkeypatch)))
+    assert matmul == pytest.approx(declared_matmul, rel=1e-6, abs=1e-6), (
+        f"{residual}: its stream methods do {matmul:g} matmul FLOPs per token beyond prenorm's, its flops() "
+        f"declares {declared_matmul:g} as matmuls (terms {sorted(set(parts) - vector_terms)}): a term is missing, "
+        f"or a vector term is not listed in vector_flops")
+    slack = 4 * SHAPE["n_embd"] + config.padded_vocab_size
+    assert declared_vector / 1.5 - slack <= vector <= 1.5 * declared_vector + slack, (
+        f"{residual}: its stream methods do {vector:g} vector FLOPs per token beyond prenorm's (adds, products, "
+        f"sums, mat-vecs), its flops() declares {declared_vector:g} in vector_flops {sorted(vector_terms)}: "
+        f"a term is missing or misfiled")
+
+
+@pytest.mark.parametrize("residual", MODES)
+def test_starts_as_what_it_declares(residual):
+    check_starts_as(residual)
+
+
+@pytest.mark.parametrize("residual", MODES)
+def test_weight_decay_is_declared(residual):
+    check_decay(residual)
+
+
+@pytest.mark.parametrize("residual", [r for r in MODES if r != "nag"] + ["nag"])
+def test_skip_is_write_kept_with_no_token_kept(residual):
+    check_skip(residual)
+
+
+@pytest.mark.parametrize("residual", MODES)
+def test_element_flops_match_the_declared_flops(residual, monkeypatch):
+    check_element_flops(residual, monkeypatch)
+
+
+def test_a_class_that_states_no_no_decay_parameters_is_an_error(monkeypatch):
+    """An inherited list would silently decay a matrix the new class added: configure_optimizers refuses."""
+    monkeypatch.setitem(model_module.RESIDUALS, "rezero", type("ReZeroInherited", (ReZero,), {}))
+    with pytest.raises(ValueError, match=r"ReZeroInherited states no no_decay_parameters\(\)"):
+        make("rezero").configure_optimizers(0.1, 1e-3, (0.9, 0.95))
+
+
+def variant(name, **changes):
+    """DepthWeighted with one planted bug (and its own flops(), as flops.py asks of every registered class)."""
+    return type(name, (DepthWeighted,), {"flops": vars(DepthWeighted)["flops"], **changes})
+
+
+PLANTED = {  # the bug, the check that must catch it, the message it must give
+    "alpha weight-decayed": (variant("DWADecayed", no_decay_parameters=lambda self: []), check_decay,
+                             r"DWADecayed.alpha \[4, 5\] is neither a Linear weight nor in no_decay_parameters"),
+    "flops() returns {}": (variant("DWANoFlops", flops=staticmethod(lambda config: {})), check_element_flops,
+                           "vector FLOPs per token beyond prenorm's.*declares 0 in vector_flops"),
+    "the mix filed as a matmul": (variant("DWAMatmul", vector_flops=()), check_element_flops,
+                                  "matmul FLOPs per token beyond prenorm's, its flops.. declares 896"),
+    "skip() the inherited no-op": (variant("DWANoSkip", skip=Residual.skip), check_skip,
+                                   "the mode must override skip"),
+    "init off by one": (variant("DWAOffByOne", init_alpha=staticmethod(lambda n: torch.eye(n, n + 1))),
+                        check_starts_as, "declares starts_as='prenorm', but its logits at init differ"),
+    "init a uniform average": (variant("DWAUniform", init_alpha=staticmethod(
+        lambda n: torch.tril(torch.ones(n, n + 1), 1) / torch.arange(2, n + 2).unsqueeze(1))),
+        check_starts_as, "declares starts_as='prenorm', but its logits at init differ"),
+}
+
+
+@pytest.mark.parametrize("bug", PLANTED)
+def test_a_planted_bug_fails_a_generic_check(bug, monkeypatch):
+    """Each bug passes silently unless the generic checks above run; each fails one, by name."""
+    cls, check, message = PLANTED[bug]
+    monkeypatch.setitem(model_module.RESIDUALS, "dwa", cls)
+    args = (monkeypatch,) if check is check_element_flops else ()
+    with pytest.raises((AssertionError, ValueError), match=message):
+        check("dwa", *args)

@@ -162,6 +162,32 @@ def test_table(runs, tmp_path):
     assert nag[7] == f"{(0.1 + 0.2 + 0.3 + 0.4) / 4:.3f}, 1 of 4" and prenorm[7] == "–"  # nag's gate health
 
 
+def test_the_later_record_of_a_repeated_iter_wins(tmp_path):
+    """A run resumed from an older checkpoint logs some iters again: the later record of each iter is the
+    one load_log returns, and the one the loss curve, the table (final and best val, stream growth) and the
+    depth plot show. The earlier records here have lower losses and another head RMS, so they would show."""
+    stale = [{**r, "rms": r["rms"] * (3 if r["kind"] == "head" else 1)} for r in PRENORM]
+    first = [(0, 4.2, 4.3, None), (10, 3.1, 3.2, None), (20, 2.0, 2.1, stale), (30, 1.8, 1.9, stale)]
+    again = [(10, 3.0, 3.3, None), (20, 2.6, 2.8, PRENORM), (30, 2.4, 2.6, PRENORM)]  # resumed at 10
+    d = tmp_path / "resumed"
+    d.mkdir()
+    (d / "log.jsonl").write_text("".join(
+        json.dumps({"iter": i, "train_loss": t, "val_loss": v, "residual": "prenorm",
+                    **({"diagnostics": diag} if diag else {})}) + "\n" for i, t, v, diag in first + again))
+    latest = {i: (t, v, diag) for i, t, v, diag in first + again}  # later lines overwrite earlier ones
+    recs = run_config.load_log(str(d))
+    assert [r["iter"] for r in recs] == sorted(latest)
+    assert [(r["train_loss"], r["val_loss"], r.get("diagnostics")) for r in recs] == [latest[i] for i in sorted(latest)]
+    val, train = plot.main(["loss", str(d), f"--out={tmp_path / 'loss.png'}"]).axes[0].lines[:2]
+    assert list(val.get_ydata()) == [v for _, _, v, _ in again]  # iter 0 is left out of the curve
+    assert list(train.get_ydata()) == [t for _, t, _, _ in again]
+    row = [c.strip() for c in plot.main(["table", str(d)]).splitlines()[2].split("|")[1:-1]]
+    final = again[-1][2]  # also the best: the earlier records' lower losses are gone
+    assert row[3:6] == [f"{final:.4f}", f"{final:.4f}", f"{PRENORM[-1]['rms'] / PRENORM[0]['rms']:.2f}"], row
+    fig = plot.main(["depth", str(d), f"--out={tmp_path / 'depth.png'}"])
+    assert list(fig.axes[0].lines[0].get_ydata()) == [r["rms"] for r in PRENORM]
+
+
 def test_runs_trained_without_diagnose(runs, tmp_path):
     """A log without diagnostics (train.py without --diagnose) still gets its losses in a table, the rest
     –, in the per-run table and in the per-cell one; and its loss curve."""

@@ -24,13 +24,9 @@ def tiny(residual, **kw):
 
 
 def randomize(model, std=0.3):
-    """Move the zero/one-initialised mode parameters (AttnRes queries, norm weights, NAG gains) away
-    from their init, so that a test cannot pass just because they are still trivial."""
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.stream.named_parameters():
-            if p.dim() <= 1:
-                p.add_(std * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    """Move every parameter of the mode (queries, mixing matrices, norm weights, gains) off its init, by
+    the mode's own perturb(), so that a test cannot pass just because they are still trivial."""
+    model.stream.perturb(std, torch.Generator().manual_seed(1))
     return model
 
 

@@ -13,6 +13,7 @@ import run_config
 from configurator import ConfigError
 from model import GPT, GPTConfig
 from tiny_checkpoint import BLOCK, make_checkpoint
+from triton_cpu import triton_on_cpu
 
 
 @pytest.fixture(scope="module")
@@ -77,16 +78,67 @@ def test_dense_checkpoint_prints_no_skip_rates(data_dir, tmp_path, capsys):
     assert "tokens/s" in out.err and "skip rate" not in out.err
 
 
-def test_kernels_is_a_run_setting(mod_ckpt, capsys, monkeypatch):
-    """--kernels overrides the checkpoint's (here torch's references for the default auto): same text."""
-    made = []
-    monkeypatch.setattr(run_config, "GPT", lambda config: made.append(config) or GPT(config))
-    default = run_sample(mod_ckpt, capsys, "--temperature=0")
-    torch_refs = run_sample(mod_ckpt, capsys, "--temperature=0", "--kernels=torch")
-    assert [c.kernels for c in made] == ["auto", "torch"]
-    assert torch_refs.out == default.out
+def impls(model):
+    """The kernels setting of every module of the model that picks a kernel (its RMSNorms, the stream)."""
+    found = {m.impl for m in model.modules() if hasattr(m, "impl")}
+    assert found, "no module with a kernels setting"
+    return found
+
+
+def test_kernels_is_a_run_setting(mod_ckpt, tmp_path, capsys, monkeypatch):
+    """Without --kernels the model takes the checkpoint's setting (here triton: the GPU path, which on CPU
+    runs the Triton kernels through Triton's interpreter once the ops' CPU references are switched off);
+    --kernels=torch overrides it in every module, and no Triton kernel runs. Both sample the same text."""
+    from triton.runtime.interpreter import InterpretedFunction
+    ckpt = run_config.load_checkpoint(str(mod_ckpt / "ckpt.pt"), torch.device("cpu"))
+    ckpt["model_args"]["kernels"] = "triton"  # a run trained with --kernels=triton
+    run_config.save_checkpoint(ckpt, str(tmp_path / "ckpt.pt"))
+    made, launches = [], []
+    monkeypatch.setattr(run_config, "GPT", lambda config: made.append(GPT(config)) or made[-1])
+    launch = InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run",
+                        lambda self, *a, **kw: launches.append(self) or launch(self, *a, **kw))
+    args = ("--temperature=0", "--num_samples=1", "--max_new_tokens=6")
+    with triton_on_cpu():
+        own = run_sample(tmp_path, capsys, *args)
+        n_own = len(launches)
+        refs = run_sample(tmp_path, capsys, *args, "--kernels=torch")
+    assert [impls(m) for m in made] == [{"triton"}, {"torch"}]
+    assert n_own > 0, "the checkpoint's kernels=triton ran no Triton kernel"
+    assert len(launches) == n_own, "--kernels=torch still ran Triton kernels"
+    assert own.out == refs.out and own.out.startswith("ROMEO:")
     with pytest.raises(ConfigError, match=r"unknown kernels 'cuda'; valid: auto, torch, triton"):
         run_sample(mod_ckpt, capsys, "--kernels=cuda")
+
+
+def draw(out_dir, capsys, rng, *extra):
+    """sample.py's text (stdout) for the options, run after the global RNG was reseeded with rng and drawn
+    from: what sample.py prints must not depend on the RNG state it starts from."""
+    with torch.random.fork_rng():
+        torch.manual_seed(rng)
+        torch.rand(rng + 1)
+        sample.main([f"--out_dir={out_dir}", "--start=ROMEO:", "--num_samples=2", "--max_new_tokens=20",
+                     "--device=cpu", *extra])
+    return capsys.readouterr().out
+
+
+def test_top_k_1_samples_the_greedy_text(mod_ckpt, capsys):
+    """--top_k=1 keeps only the most likely token: at temperature 1 it draws the greedy (temperature 0)
+    text, which sampling from all the tokens at temperature 1 does not."""
+    greedy = draw(mod_ckpt, capsys, 0, "--temperature=0")
+    assert greedy.count("ROMEO:") == 2
+    top1 = draw(mod_ckpt, capsys, 1, "--temperature=1", "--top_k=1", "--seed=5")
+    assert top1 == greedy, "--top_k=1 at temperature 1 did not sample the greedy text"
+    assert draw(mod_ckpt, capsys, 1, "--temperature=1", "--top_k=None", "--seed=5") != greedy
+
+
+def test_seed_sets_the_text(mod_ckpt, capsys):
+    """--seed alone decides the sampled text: the same seed gives the same text whatever the global RNG
+    state before, a different seed a different text."""
+    text = draw(mod_ckpt, capsys, 0, "--seed=3")
+    assert text.count("ROMEO:") == 2
+    assert draw(mod_ckpt, capsys, 123, "--seed=3") == text, "--seed=3 gave another text from another RNG state"
+    assert draw(mod_ckpt, capsys, 0, "--seed=4") != text, "--seed=3 and --seed=4 gave the same text"
 
 
 def test_compile_is_refused_with_a_clear_error(mod_ckpt, capsys):
