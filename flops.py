@@ -11,7 +11,7 @@ Convention. FLOPs count a multiply-add as 2 and are per token of the training se
   the GPU kernels; on CPU it has no formula for the CPU kernel and counts 0 (tests add one).
 - MLP sublayer 2*8*d^2; LM head 2*d*V (V the padded vocab); embedding lookups are free.
 - extras per mode: each residual mode and MoD mode states the FLOPs it adds beyond the backbone
-  (its flops(config) in model.py: nag's modulator 2*C*d per sublayer; AttnRes 4*d per source a
+  (its flops(config) in model.py: nag's modulator 2*C*d + 2*C (its channel mix) per sublayer; AttnRes 4*d per source a
   sublayer or the head mixes, mat-vecs, plus 2*d^2 per mixing point with attnres_query=input;
   mod=router 2*d per router and its predictor MLP, only with mod_rate > 0; skip_middle's gate
   producers 2*d for each of the first L/2 blocks). A mode that states none is an error, never a

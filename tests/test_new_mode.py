@@ -466,3 +466,12 @@ def test_a_planted_bug_fails_a_generic_check(bug, monkeypatch):
     args = (monkeypatch,) if check is check_element_flops else ()
     with pytest.raises((AssertionError, ValueError), match=message):
         check("dwa", *args)
+
+
+def test_help_lists_the_registered_modes(capsys):
+    """--help's list of residual modes comes from the registry: a mode added by its registry line is in it."""
+    import train
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.split()[:1] == ["residual"])
+    assert line.endswith("the residual mode: " + " | ".join(MODES)), line
