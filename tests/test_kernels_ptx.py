@@ -14,18 +14,22 @@ How the kernels are found and launched (nothing is listed by hand but the public
   * every JIT function in kernels.py must be launched, or called from a launched kernel: a new
     kernel that `exercise` does not reach fails the test, telling its author to launch it there.
 
-Coverage: every kernel (and every constexpr variant the launchers make, e.g. rms_norm with and
-without a weight) for sm_80 and sm_90, data tensors in fp32, bf16 and fp16 (fp32 statistics
-buffers stay fp32: the launchers allocate them), at the widths d = 64, 768 and 4096, i.e. BLOCK
-64, 1024 and 4096 (the smallest, GPT-2's d = 768, and the largest and most spill-prone); and the
-whole BLOCK grid 64 ... 4096 (d = 64, 128, 256, 512, 768, 2048, 4096) in bf16 on both archs, the
-dtype a GPU trains in. `python tests/test_kernels_ptx.py --full` compiles every BLOCK in every dtype.
+Coverage (each compile is ~0.5 s of one core, so the default run compiles what proves something
+distinct, and `python tests/test_kernels_ptx.py --full` every BLOCK in every dtype on both archs):
+  * every kernel (and every constexpr variant the launchers make, e.g. rms_norm with and without a
+    weight) at BLOCK 4096 (d = 4096) in fp32, bf16 and fp16 on sm_80 and sm_90: the most values
+    per thread there are (8 per thread for the row kernels, 32 for the hyper-connection ones:
+    _warps caps at 16, so below 4096 a thread holds at most half as many), i.e. the spill-prone
+    compile, in each data dtype (fp32 statistics buffers stay fp32: the launchers allocate them) on
+    each arch (Triton lowers and ptxas allocates registers per arch and dtype);
+  * on sm_90 (the H100/H200 the project trains on) also BLOCK 64 (d = 64: fewer values than
+    threads, a replicated layout) and 1024 (GPT-2's d = 768, masked) in bf16, the dtype a GPU
+    trains in. The BLOCKs between (128 ... 2048) differ from these only in values per thread
+    (at most 4 for the row kernels, 16 for the hyper-connection ones): --full compiles them.
 The hyper-connection kernels are launched with n = 4 streams (a constexpr: variant N=4). A launch
 that does not depend on d (sinkhorn's) is one compile per signature, which covers every BLOCK (the
 table shows it under the first BLOCK that launched it).
-Compiles (376 with the current kernels.py) run in parallel shards, one per core, at most 8:
-150-220 s on 2 cores with other jobs competing (208 compiles before the hyper-connection kernels
-took 35-75 s). Each run compiles
+Compiles run in parallel shards, one per core, at most 8. Each run compiles
 afresh (an empty Triton cache, TRITON_ALWAYS_COMPILE), so that ptxas runs and reports
 (TRITON_DUMP_PTXAS_LOG); CompiledKernel.n_regs / n_spills need a GPU (they come from loading the
 cubin), so the numbers come from ptxas's -v log, in triton 3.6 and 3.9 alike.
@@ -51,12 +55,13 @@ ARCHS = (80, 90)
 DTYPES = ("float32", "bfloat16", "float16")
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 WIDTH = {64: 64, 128: 128, 256: 256, 512: 512, 1024: 768, 2048: 2048, 4096: 4096}  # BLOCK -> the d launched
-CORE_BLOCKS = (64, 1024, 4096)  # every dtype and arch
-FULL_DTYPES = ("bfloat16",)  # every BLOCK, both archs
+LARGEST = 4096  # every dtype on every arch
+SM90_BF16_BLOCKS = (64, 1024)  # and these in bf16 on sm_90
 
 
-def planned(dtype, block, full=False):
-    return full or block in CORE_BLOCKS or dtype in FULL_DTYPES
+def planned(arch, dtype, block, full=False):
+    """Whether the default run (or --full) compiles the kernels for this arch, dtype and BLOCK."""
+    return full or block == LARGEST or (arch == 90 and dtype == "bfloat16" and block in SM90_BF16_BLOCKS)
 
 
 # -----------------------------------------------------------------------------
@@ -220,11 +225,11 @@ def plan(full=False):
     import kernels
     jobs, launched = {}, set()
     for block, d in WIDTH.items():
-        for dtype in (dt for dt in DTYPES if planned(dt, block, full)):
+        for dtype in (dt for dt in DTYPES if any(planned(arch, dt, block, full) for arch in ARCHS)):
             for fn, rec in capture(kernels, torch, dtype, d):
                 launched.add(fn)
                 variant = ",".join(f"{k}={v}" for k, v in rec["constexprs"].items() if k != "BLOCK")
-                for arch in ARCHS:
+                for arch in (a for a in ARCHS if planned(a, dtype, block, full)):
                     job = dict(rec, kernel=fn.__name__, fn=fn, variant=variant, arch=arch, dtype=dtype,
                                block=block, covers=[])
                     key = json.dumps([fn.__name__, arch, rec["signature"], rec["constexprs"],
@@ -359,13 +364,14 @@ def test_kernels_compile_for_sm80_sm90_without_spills(tmp_path):
     print(f"{len(results)} compiles in {seconds:.0f} s\n{report}")
     found = problems(results, uncovered)
     assert not found, "\n".join(found) + f"\n\nregisters per thread ({len(results)} compiles):\n{report}"
-    # the coverage the docstring promises: every kernel variant, dtype and arch at the core BLOCKs
+    # the coverage the docstring promises: every kernel variant in every dtype on both archs at BLOCK 4096,
+    # and at BLOCK 64 and 1024 in bf16 on sm_90
     have = {(r["kernel"], r["variant"], r["arch"], dtype, block) for r in results for dtype, block in r["covers"]}
     for kernel, variant in {(k, v) for k, v, *_ in have}:
         for arch in ARCHS:
             for dtype in DTYPES:
                 for block in WIDTH:
-                    if planned(dtype, block):
+                    if planned(arch, dtype, block):
                         assert (kernel, variant, arch, dtype, block) in have, (kernel, variant, arch, dtype, block)
 
 
