@@ -89,6 +89,17 @@ def start_wandb(cfg):
                           f"or drop --wandb_log") from None
 
 
+def finish_wandb(run, exit_code):
+    """The end of the wandb run: its data on disk (offline: the .wandb file complete) when this returns.
+    run.finish() alone is not enough: it only asks wandb's service process to close the run (a message it
+    does not wait on), and until the service closes the run's .wandb file that file may hold its 7-byte
+    header and nothing else. wandb.teardown() waits until the service has closed every run and exited
+    (a later wandb.init starts a new one)."""
+    import wandb
+    run.finish(exit_code=exit_code)
+    wandb.teardown()
+
+
 # -----------------------------------------------------------------------------
 # training batches, the LR into the optimizer, DDP
 
@@ -254,12 +265,13 @@ def log_line(iter_num, max_iters, loss, dt, tokens_per_iter, utilisation, lr, et
 # the run: setup, the LR schedule, eval and checkpoint, the progress line, a stop by signal, the loop
 
 class Trainer:
-    """One training run. Its loop (run) sets the LR (lr), evaluates and checkpoints at eval iterations
-    (evaluate), checkpoints and exits at a signal (stop_if_signalled), takes a step (train_step) and
-    prints the progress line (after_step). __init__ sets everything up: processes and device, the data
-    and the model's configuration (from a checkpoint on resume), the FLOP budget, the model and optimizer,
-    out_dir. Every check comes before out_dir is touched: a start that fails leaves it as it was. What
-    keeps a run from being lost (resume checks, signals, bad steps, checkpoints kept aside) is guards.py's."""
+    """One training run. Its loop (loop; run calls it, then finishes the wandb run) sets the LR (lr),
+    evaluates and checkpoints at eval iterations (evaluate), checkpoints and exits at a signal
+    (stop_if_signalled), takes a step (train_step) and prints the progress line (after_step). __init__
+    sets everything up: processes and device, the data and the model's configuration (from a checkpoint on
+    resume), the FLOP budget, the model and optimizer, out_dir. Every check comes before out_dir is touched:
+    a start that fails leaves it as it was. What keeps a run from being lost (resume checks, signals, bad
+    steps, checkpoints kept aside) is guards.py's."""
 
     def __init__(self, cfg, argv):
         self.cfg, self.argv = cfg, argv
@@ -284,6 +296,10 @@ class Trainer:
             if device.type == "cuda":
                 device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}")
                 torch.cuda.set_device(device)
+            # before the group exists: this module's functions take group=group.WORLD as a default argument,
+            # evaluated at import, and imported later (DDP imports torch._dynamo, which imports it) they would
+            # hold the group for good, so that leave_processes could not shut it down
+            from torch.distributed.nn import functional  # noqa: F401
             dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
         self.device, cfg["device"] = device, str(device)
         if cfg["gradient_accumulation_steps"] % self.world != 0:
@@ -573,10 +589,20 @@ class Trainer:
 
     def leave_processes(self, barrier=True):
         """DDP: leave the process group, after a barrier where every rank gets there (a rank that leaves
-        while rank 0 still evaluates or checkpoints can abort gloo's teardown)."""
+        while rank 0 still evaluates or checkpoints can abort gloo's teardown), and shut it down here.
+        destroy_process_group only unregisters the group: while anything else holds it (the DDP wrapper's
+        reducer does) it lives on, its gloo worker threads too, past the interpreter's end. A worker hands
+        a collective's result back before it lets go of the work; descheduled there on a loaded machine
+        until the interpreter finalizes, it then drops the last reference to a tensor that Python let go
+        of, which takes the GIL: a thread that waits for the GIL while the interpreter finalizes is ended
+        with pthread_exit, and the process aborts ("terminate called without an active exception"). With
+        the wrapper gone (and torch.distributed.nn.functional imported before the group: setup_processes)
+        destroy_process_group drops the last reference: the group is destroyed here, with the GIL released,
+        and its threads finish what they hold and are joined."""
         if self.ddp:
             if barrier:
                 dist.barrier()
+            self.model = self.eval_model  # the module DDP wrapped: DDP and its reducer go
             dist.destroy_process_group()
 
     # --- a stop by signal, the progress line
@@ -668,7 +694,27 @@ class Trainer:
         self.flops_last = self.flops_base  # the run's training FLOPs at the last eval
 
     def run(self):
-        """Evaluate (and checkpoint) before iteration iter_num; train it; repeat. Returns the best val loss."""
+        """Train (loop); returns the best val loss. However the loop ends (max_iters, a signal, bad steps,
+        an error), the wandb run is finished, with the exit code the process gets, and its data is on disk
+        before run returns or raises."""
+        try:
+            self.loop()
+        except Interrupted as e:
+            self.finish_wandb(128 + e.signum)  # the exit code cli gives the process
+            raise
+        except BaseException:
+            self.finish_wandb(1)
+            raise
+        self.finish_wandb(0)
+        return self.best_val_loss
+
+    def finish_wandb(self, exit_code):
+        if self.wandb_run:
+            run, self.wandb_run = self.wandb_run, None
+            finish_wandb(run, exit_code)
+
+    def loop(self):
+        """Evaluate (and checkpoint) before iteration iter_num; train it; repeat; then leave the process group."""
         cfg = self.cfg
         self.start_clocks()
         batches = train_batches(self.paths["train"], cfg["batch_size"], cfg["block_size"], cfg["seed"],
@@ -696,10 +742,7 @@ class Trainer:
             self.after_step(loss, t_step)
             self.iter_num += 1
         self.stop.restore()
-        if self.wandb_run:
-            self.wandb_run.finish()
         self.leave_processes()  # after rank 0's last eval and checkpoint
-        return self.best_val_loss
 
 
 def main(argv):

@@ -23,7 +23,7 @@ import train
 from configurator import ConfigError
 from model import GPT, GPTConfig
 from test_train import (REPO, TOL, assert_one_line_error, in_process, load_ckpt, read_log, run,  # noqa: F401
-                        tiny_args, tiny_dataset)
+                        tiny_args, tiny_dataset, wandb_history)
 
 
 def assert_same_run(a_dir, b_dir, log_from=0):
@@ -128,6 +128,46 @@ def test_ddp_sigterm_all_ranks_stop_rank_0_saves_and_resume_works(data_dir, tmp_
     assert f"at iter {it}" in r.stdout and load_ckpt(out)["iter_num"] == it + 1
 
 
+# train.main under DDP in a fresh interpreter: the threads of the process before leaving the process group
+# and once main has returned
+LEAVE_PROCESSES = """
+import os, sys
+sys.path.insert(0, {repo!r})
+import train
+
+def threads():
+    return sorted(open(f"/proc/self/task/{{t}}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+
+leave = train.Trainer.leave_processes
+def leave_processes(self, barrier=True):
+    print("before leaving:", *threads())
+    leave(self, barrier)
+train.Trainer.leave_processes = leave_processes
+train.main(sys.argv[1:])
+print("after main:", *threads())
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names come from /proc (Linux)")
+def test_ddp_run_shuts_its_process_group_down(data_dir, tmp_path):
+    """When train.main returns under DDP the process group is gone, its threads (gloo's workers and I/O
+    loop, rank 0's TCPStore server) joined. A gloo worker alive at the interpreter's end can abort the
+    process there ("terminate called without an active exception": on a loaded machine a torchrun rank
+    exited -6 now and then; Trainer.leave_processes). One rank (gloo), as torchrun starts it, in a fresh
+    interpreter: when torch.distributed.nn.functional is first imported matters (setup_processes)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="0")  # port 0: the store takes a free port
+    script = LEAVE_PROCESSES.format(repo=str(REPO))
+    args = tiny_args(data_dir, tmp_path / "out", max_iters=1, eval_iters=1)
+    r = subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (before,) = [x.split()[2:] for x in r.stdout.splitlines() if x.startswith("before leaving:")]
+    (after,) = [x.split()[2:] for x in r.stdout.splitlines() if x.startswith("after main:")]
+    assert "pt_gloo_runloop" in before  # DDP ran on a gloo group (gloo's I/O loop is named from torch 2.13 on)
+    assert len(after) == 1, after  # the main thread alone: the group's threads were joined
+
+
 def test_interrupt_keeps_the_best_checkpoint(data_dir, tmp_path, in_process, at_batch):
     """With always_save_checkpoint=False ckpt.pt is the best model: an interrupt keeps it as ckpt_best.pt."""
     out = tmp_path / "out"
@@ -138,6 +178,23 @@ def test_interrupt_keeps_the_best_checkpoint(data_dir, tmp_path, in_process, at_
         in_process(tiny_args(data_dir, out, init_from="resume", max_iters=4, always_save_checkpoint=False))
     assert (out / "ckpt_best.pt").read_bytes() == best
     assert load_ckpt(out)["iter_num"] == 3
+
+
+def test_a_signal_finishes_the_wandb_run(data_dir, tmp_path, in_process, at_batch, monkeypatch):
+    """A run stopped by a signal finishes its wandb run too, with the exit code the process gets (143 for
+    SIGTERM): when train.main raises, the offline .wandb file is complete, its evals and exit included."""
+    pytest.importorskip("wandb")
+    for var, value in dict(WANDB_MODE="offline", WANDB_DIR=tmp_path, WANDB_CONFIG_DIR=tmp_path / "config",
+                           WANDB_CACHE_DIR=tmp_path / "cache", WANDB_DATA_DIR=tmp_path / "data",
+                           WANDB_SILENT="true", WANDB_CONSOLE="off").items():
+        monkeypatch.setenv(var, str(value))
+    at_batch(lambda it, micro: os.kill(os.getpid(), signal.SIGTERM) if (it, micro) == (3, 0) else None)
+    with pytest.raises(train.Interrupted):
+        in_process(tiny_args(data_dir, tmp_path / "out", wandb_log=True))
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    rows, _, exit_record = wandb_history(run_file)
+    assert [r["iter"] for r in rows] == [0, 2]  # stopped before iteration 4
+    assert exit_record is not None and exit_record.exit_code == 128 + signal.SIGTERM
 
 
 # -----------------------------------------------------------------------------
