@@ -9,9 +9,13 @@ Benchmarks that print figures (speed targets are checked here, not in timed test
     python bench.py --section=quickstart # the quickstart command against a nanoGPT-like baseline run
     python bench.py --section=sample     # sampling with a KV cache: one mod=nag model, dense vs routed
 
-kernels: forward and forward+backward time of rms_norm, nag_update and depth_attention, and the
+kernels: forward and forward+backward time of each of the six kernels (rms_norm, nag_update,
+depth_attention, and hc/mhc's mhc_pre_mix, sinkhorn and hc_post_mix, at n = 4 streams), and the
 achieved bandwidth: the bytes a fused kernel must move at least (each input read once, each output
 written once) divided by the time. On a GPU compare it with the copy bandwidth printed first.
+Every figure is a median over --reps repeats; when the repeats of a measurement spread by more than
+half their median, or a forward takes 1.5x its forward+backward, a last line warns that the
+machine is loaded and the figures are unreliable.
 model: one training step (forward, backward, AdamW) per mode at the GPT-2 124M shape on a GPU
 (12 layers, 768 wide, 12 heads, T = 1024, bf16, compiled), or at the quickstart shape on a CPU.
 mod: a training step of nag (mod=nag) and prenorm (mod=router) at mod_rate 0, 0.25 and 0.5, at the
@@ -36,6 +40,7 @@ model and compile also print the saved-activation bytes (each storage once) rela
 Ratios measured in one run are what to compare: absolute times drift on a shared machine.
 """
 
+import functools
 import math
 import os
 import re
@@ -72,8 +77,33 @@ DEFAULTS = dict(
 )
 
 
-def timeit(fn, device, reps, warmup=3):
-    """Median seconds per call of fn(), after warm-up calls."""
+LOADED_SPREAD = 0.5  # (upper - lower quartile) / median of a measurement's repeats above this: a loaded machine
+UNSTEADY = []  # (how far off, what was seen) of every unsteady measurement of this run, for load_warning
+
+
+def median_noting_spread(times, what="a measurement"):
+    """The median of a measurement's repeated times. Repeats whose quartiles lie further apart than
+    LOADED_SPREAD of the median (other work took the cores in some of them) are noted in UNSTEADY."""
+    times = sorted(times)
+    median = times[len(times) // 2]
+    if len(times) >= 4 and median > 0:
+        spread = (times[(3 * len(times)) // 4] - times[len(times) // 4]) / median
+        if spread > LOADED_SPREAD:
+            UNSTEADY.append((spread, f"{what}: its repeats spread by {spread:.0%} of their median"))
+    return median
+
+
+def load_warning():
+    """One line when some measurements were unsteady (the machine was loaded), or None."""
+    if not UNSTEADY:
+        return None
+    worst = max(UNSTEADY, key=lambda u: u[0])[1]  # the first of the worst
+    return (f"warning: the machine looks loaded: {len(UNSTEADY)} measurement(s) unsteady (worst: {worst}), so these "
+            f"figures are unreliable; rerun on a quiet machine (or with more --reps)")
+
+
+def timeit(fn, device, reps, warmup=3, what="a measurement"):
+    """Median seconds per call of fn(), after warm-up calls (median_noting_spread notes a loaded machine)."""
     for _ in range(warmup):
         fn()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -84,7 +114,7 @@ def timeit(fn, device, reps, warmup=3):
         fn()
         sync()
         times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+    return median_noting_spread(times, what)
 
 
 def kernel_cases(device, dtype):
@@ -104,12 +134,32 @@ def kernel_cases(device, dtype):
     r = ((r - r.mean(-1, keepdim=True)) / r.std(-1, keepdim=True)).to(dtype).requires_grad_()
     u, = make((M, d))
     a = torch.rand(M, 1, device=device, requires_grad=True)
+
+    def fp32(*shape, scale=1.0):  # hc/mhc's per-token coefficients: fp32 whatever the stream's dtype
+        return (scale * torch.randn(*shape, device=device)).requires_grad_()
+    n, K, c = 4, 4 * (4 + 2), 4  # hc_streams; mhc's coefficients per token, n(n + 2); bytes of an fp32 value
+    x_hc, = make((M, n, d))
+    proj = (torch.randn(M, K, device=device) / d ** 0.5).to(dtype).requires_grad_()  # vec(X) phi^T, as mhc makes it
+    mhc_args = [x_hc, proj, fp32(3, scale=0.01), fp32(K, scale=0.01)]
+    post_args = [make((M, n, d))[0], make((M, d))[0], fp32(M, n), torch.softmax(torch.randn(M, n, n, device=device),
+                                                                              -1).requires_grad_()]
     return [
         ("rms_norm", make((M, d), (d,)), *impls(kernels.rms_norm), 2 * M * d * b, 3 * M * d * b),
         ("nag_update", [r, u, a], *impls(kernels.nag_update), 3 * M * d * b, 5 * M * d * b),
         # the model's call: a list of sources where they lie; the backward reads them twice
         ("depth_attention", [make(*[(M, d)] * S), *make((d,), (d,))], *impls(kernels.depth_attention),
          (S + 1) * M * d * b, (3 * S + 1) * M * d * b),
+        # reads X and its projection, writes u, h_post and the H_res logits; the backward reads X, the
+        # projection and the three gradients, and writes X's and the projection's
+        ("mhc_pre_mix", mhc_args, *impls(kernels.mhc_pre_mix), M * ((n * d + K + d) * b + (n + n * n) * c),
+         M * ((2 * n * d + 2 * K + d) * b + (n + n * n) * c)),
+        # the H_res logits (fp32) in, H out; the backward reads the logits and H's gradient, writes theirs
+        ("sinkhorn", [fp32(M, n, n)], *impls(functools.partial(kernels.sinkhorn, repeat=GPTConfig().mhc_sinkhorn_repeat)),
+         2 * M * n * n * c, 3 * M * n * n * c),
+        # reads X, f and the per-token h_post, H_res, writes X'; the backward reads them and dX', writes
+        # the gradients of all four
+        ("hc_post_mix", post_args, *impls(kernels.hc_post_mix), M * ((2 * n * d + d) * b + (n + n * n) * c),
+         M * ((3 * n * d + 2 * d) * b + 2 * (n + n * n) * c)),
     ]
 
 
@@ -138,10 +188,14 @@ def bench_kernels(device, dtype, use_compile, reps):
                 out = out if isinstance(out, tuple) else (out,)
                 torch.autograd.backward(out[0], torch.ones_like(out[0]))
             try:
-                t_f, t_fb = timeit(fwd, device, reps), timeit(fwd_bwd, device, reps)
+                t_f, t_fb = (timeit(fwd, device, reps, what=f"{name} {impl} forward"),
+                             timeit(fwd_bwd, device, reps, what=f"{name} {impl} forward+backward"))
             except Exception as e:  # e.g. no C++ compiler for inductor on this CPU
                 print(f"| {name} | {impl} | failed: {type(e).__name__}: {str(e).splitlines()[0][:80]} |||||")
                 continue
+            if t_f > 1.5 * t_fb:  # a forward alone cannot take much longer than forward and backward: load
+                UNSTEADY.append((t_f / t_fb - 1, f"{name} {impl}: the forward alone took {t_f / t_fb:.1f}x its "
+                                                 f"forward+backward"))
             eager_total = eager_total or t_fb
             print(f"| {name} | {impl} | {t_f * 1e6:.0f} | {bytes_fwd / t_f / 1e9:.1f} | {t_fb * 1e6:.0f} "
                   f"| {(bytes_fwd + bytes_bwd) / t_fb / 1e9:.1f} | {eager_total / t_fb:.2f}x |")
@@ -185,7 +239,7 @@ def time_steps(configs, device, dtype, use_compile, reps, B, backend="inductor")
     for _ in range(reps):
         for name, step in steps.items():
             times[name].append(timeit(step, device, 1, warmup=0))
-    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}, mem
+    return {name: median_noting_spread(ts, f"step of {name}") for name, ts in times.items()}, mem
 
 
 def saved_activation_bytes(model, idx, compiled=False, dtype=torch.float32):
@@ -450,8 +504,8 @@ def bench_compile(device, dtype, reps, batch_size, backend="inductor", layers=4,
 def sample_model(out_dir, device, layers=8, width=128):
     """The mod=nag model to sample: out_dir's checkpoint, or a random one with thresholds set."""
     if out_dir:
-        model = run_config.model_from_checkpoint(run_config.load_checkpoint(os.path.join(out_dir, "ckpt.pt"), device),
-                                                 device)
+        model = run_config.model_from_checkpoint(
+            run_config.load_checkpoint(os.path.join(out_dir, "ckpt.pt"), device, reader=True), device)
         if model.config.mod != "nag" or not torch.isfinite(model.mod.tau).all():
             raise ConfigError(f"{out_dir} is not a mod=nag model trained with routing (mod={model.config.mod}); "
                               f"pass the out_dir of a --mod=nag --mod_rate=0.25 run")
@@ -518,6 +572,7 @@ def main(argv=None):
     cfg = configure(sys.argv[1:] if argv is None else argv, DEFAULTS, [(__file__, "DEFAULTS")])
     if cfg["section"] not in SECTIONS:
         raise ConfigError(f"unknown section '{cfg['section']}'; valid: {', '.join(SECTIONS)}")
+    UNSTEADY.clear()  # this run's measurements only
     device, dtype, _ = pick_device(cfg["device"], cfg["dtype"])  # the same rule as train.py's
     dtype = getattr(torch, dtype)
     reps = cfg["reps"] or (50 if device.type == "cuda" else 20)
@@ -538,6 +593,9 @@ def main(argv=None):
     if cfg["section"] == "sample":  # not in "all"
         times.update(bench_sample(device, dtype, cfg["out_dir"], cfg["tokens"], cfg["pairs"], cfg["layers"],
                                    cfg["width"]))
+    warning = load_warning()
+    if warning:
+        print(warning, flush=True)
     return times
 
 

@@ -27,6 +27,8 @@ def _check(key, value, defaults, where):
         return value
     if isinstance(default, list) and isinstance(value, tuple):
         value = list(value)  # --skip_rates=0.1,0.2 (or a = 1, 2 in a file) is a tuple to Python
+    elif isinstance(default, list) and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        value = [value]  # --depths=2: a list of one
     if isinstance(default, bool) or isinstance(value, bool):
         ok = isinstance(default, bool) and isinstance(value, bool)
     elif isinstance(default, float) and isinstance(value, int):
@@ -88,16 +90,45 @@ def describe(defaults, help_from):
                       for key in defaults])
 
 
-def configure(argv, defaults, help_from=()):
+def run_config_file(path, source):
+    """The names a config file assigns. A Python error in it is a one-line ConfigError with its file:line."""
+    namespace = {}
+    try:
+        exec(compile(source, path, "exec"), {}, namespace)
+    except SyntaxError as e:  # the line is the file's own, also for an IndentationError
+        raise ConfigError(f"{path}:{e.lineno}: {type(e).__name__}: {e.msg}; a config file is Python "
+                          f"assignments (key = value): fix that line") from None
+    except Exception as e:
+        tb, line = e.__traceback__, None
+        while tb is not None:  # the innermost frame of the file itself (not of what it called)
+            if tb.tb_frame.f_code.co_filename == path:
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        where, text = f"{path}:{line}" if line else path, (str(e).splitlines() or [""])[0]
+        raise ConfigError(f"{where}: {type(e).__name__}: {text}; a config file is Python assignments "
+                          f"(key = value): fix that line") from None
+    return namespace
+
+
+def configure(argv, defaults, help_from=(), about=None):
     """Return a copy of `defaults` updated from config files and --key=value arguments. With --help or
-    -h it prints describe(defaults, help_from) and exits: help_from says where `defaults` are written,
-    as (file, dict or dataclass name) pairs whose `key=value,  # comment` lines say what each key does."""
+    -h it prints `about` (one line: what the script does and needs), then describe(defaults, help_from),
+    and exits: help_from says where `defaults` are written, as (file, dict or dataclass name) pairs whose
+    `key=value,  # comment` lines say what each key does."""
     if "--help" in argv or "-h" in argv:
+        if about:
+            print(about)
         print(describe(defaults, help_from))
         raise SystemExit(0)
     config = dict(defaults)
     for arg in argv:
         if not arg.startswith("--"):
+            if "out_dir" in defaults and (os.path.isdir(arg) or not (os.path.exists(arg) or arg.endswith(".py")
+                                                                    or "=" in arg)):
+                # a run's folder given as the first argument, as plot.py takes them: out_dir is a key here
+                what = f"'{arg}' is a folder, not a config file" if os.path.isdir(arg) else \
+                    f"config file '{arg}' not found"
+                raise ConfigError(f"{what}; for a run's folder write --out_dir={arg}")
             try:
                 with open(arg) as f:
                     source = f.read()
@@ -105,8 +136,7 @@ def configure(argv, defaults, help_from=()):
                 if "=" in arg and not os.path.exists(arg):  # n_layer=8: a key without its --
                     raise ConfigError(f"config file '{arg}' not found; did you mean --{arg.lstrip('-')}?") from None
                 raise ConfigError(f"cannot read config file '{arg}': {e.strerror}") from None
-            namespace = {}
-            exec(compile(source, arg, "exec"), {}, namespace)
+            namespace = run_config_file(arg, source)
             for key, value in namespace.items():
                 if not key.startswith("_") and not callable(value) and type(value).__name__ != "module":
                     config[key] = _check(key, value, defaults, arg)

@@ -2,23 +2,29 @@
 names the fix, and no good checkpoint is ever overwritten or left half-written.
 
 - start: out_dir must take a file before anything else happens (check_writable); a run from scratch
-  moves an earlier run's checkpoint and log aside, never over them (set_aside_previous_run)
-- resume: the checkpoint's architecture and budget win, and argv that contradicts them is an error
-  (explicit_keys, resolve_model_args, resume_budget, check_resumed_budget); every rank's RNG comes back
+  moves every file of an earlier run (RUN_FILES) into a folder of its own in out_dir, never over anything
+  (set_aside_previous_run), and records its own start (write_run_record: config.json)
+- resume: what argv does not set comes from the checkpoint (resumed_config); its architecture and budget
+  win, argv that contradicts them is an error (resolve_model_args, check_resume_changes), and a change
+  to the run's plan comes from the command line or not at all (check_resume_changes, key_sources);
+  every rank's RNG comes back
 - signals: SIGINT / SIGTERM only set a flag (StopSignals); the loop checkpoints at the next step
-  boundary, the best checkpoint kept aside (keep_best_checkpoint), and says how to resume (resume_command)
+  boundary or eval batch, the best checkpoint kept aside (keep_best_checkpoint), and says how to resume
+  (resume_command); a second signal (one process) exits at once, writing nothing
 - bad steps: the steps count non-finite steps on the device (train.StepStats); at a read, check_bad_steps
   reports them and stops the run after max_bad_steps in a row (TrainingStopped)
 - compile: ZeroGradientCheck warns, loudly, about parameters that a compiled step gives no gradient
 """
 
 import contextlib
+import json
 import os
 import shlex
 import shutil
 import signal
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -26,7 +32,15 @@ from configurator import ConfigError, configure
 from run_config import DEFAULTS, MODEL_KEYS, RUN_KEYS
 
 GRAD_CHECK_STEPS = 5  # compile=True: the first log iteration this many steps into a run checks for zero gradients
-BUDGET_KEYS = ("max_flops", "max_seconds", "max_iters", "lr_decay_iters", "warmup_iters")  # resume keeps the run's length
+RUN_FILES = ("ckpt.pt", "ckpt_best.pt", "log.jsonl", "config.json")  # what a run writes into its out_dir
+# a resume: the keys each process sets for itself (never taken from the checkpoint), the budget (never
+# changed), and the plan: what the run trains, which only the command line may change
+OWN_KEYS = ("init_from", "eval_only", "out_dir", "device", "dtype", "compile", "kernels", "wandb_log",
+            "wandb_project", "wandb_run_name")
+BUDGET_KEYS = ("max_flops", "max_seconds")
+PLAN_KEYS = ("max_iters", "lr_decay_iters", "warmup_iters", "learning_rate", "min_lr", "decay_lr", "weight_decay",
+             "beta1", "beta2", "grad_clip", "batch_size", "gradient_accumulation_steps", "dataset", "seed", "dropout",
+             "nag_gate_lr_scale", "nag_gate_decay", "nag_alpha_warmup_tokens")
 
 
 class TrainingStopped(RuntimeError):
@@ -34,7 +48,8 @@ class TrainingStopped(RuntimeError):
 
 
 class Interrupted(Exception):
-    """SIGINT / SIGTERM: a checkpoint was written; the message says how to resume."""
+    """SIGINT / SIGTERM stopped the run: a checkpoint was written (not by eval_only, nor at a second
+    signal); the message says what was kept and how to resume."""
 
     def __init__(self, message, signum):
         super().__init__(message)
@@ -55,20 +70,48 @@ def check_writable(out_dir):
         raise ConfigError(f"cannot write to out_dir {out_dir} ({e.strerror or e}); use another --out_dir") from None
 
 
-def set_aside_previous_run(out_dir, ckpt_path, log_path):
+def run_started(out_dir, files):
+    """When the run whose files are in out_dir started: config.json's record, else (an out_dir written
+    before config.json existed) the time of its oldest file."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        with open(os.path.join(out_dir, "config.json")) as f:
+            return float(json.load(f)["started"])
+    return min(os.path.getmtime(os.path.join(out_dir, name)) for name in files)
+
+
+def set_aside_previous_run(out_dir):
     """A run from scratch, after every check (a failed start leaves out_dir as it was): the files of an
-    earlier run in out_dir are moved aside, never overwritten."""
-    if os.path.exists(ckpt_path):
-        # never silently lose a good checkpoint: keep the previous run's aside
-        os.replace(ckpt_path, os.path.join(out_dir, "ckpt_prev.pt"))
-        if os.path.exists(log_path):
-            os.replace(log_path, os.path.join(out_dir, "log_prev.jsonl"))
-        print(f"{ckpt_path} existed: moved it to ckpt_prev.pt (use --init_from=resume to continue it)")
-    elif os.path.exists(log_path):
-        # a log without a checkpoint: a run that stopped before its first save, or eval_only; this run
-        # starts a new log instead of appending to it (there is nothing to resume it from)
-        os.remove(log_path)
-        print(f"{log_path} existed without a checkpoint: removed it")
+    earlier run in out_dir (RUN_FILES: checkpoints, log, config.json) move, whole, into a new folder
+    out_dir/run-YYYYmmdd-HHMMSS named by that run's start (-2, -3, ... when taken), so that every earlier
+    run is kept, each a folder that sample.py (or a resume) takes as its --out_dir. Returns the folder
+    (None: out_dir held no run). Anything else in out_dir stays where it is."""
+    files = [name for name in RUN_FILES if os.path.isfile(os.path.join(out_dir, name))]
+    if not files:
+        return None
+    started = time.localtime(run_started(out_dir, files))
+    name = time.strftime("run-%Y%m%d-%H%M%S", started)
+    folder, n = os.path.join(out_dir, name), 1
+    while os.path.exists(folder):
+        n += 1
+        folder = os.path.join(out_dir, f"{name}-{n}")
+    os.mkdir(folder)
+    for f in files:
+        os.replace(os.path.join(out_dir, f), os.path.join(folder, f))
+    use = (f"; sample it or resume it with --out_dir={shlex.quote(folder)}" if "ckpt.pt" in files else "")
+    print(f"{out_dir} held an earlier run (started {time.strftime('%Y-%m-%d %H:%M:%S', started)}): moved its "
+          f"{', '.join(files)} to {folder}{use}", flush=True)
+    return folder
+
+
+def write_run_record(out_dir, cfg, argv, world):
+    """out_dir/config.json at a run's start from scratch: when it started (set_aside_previous_run names
+    the run's folder by it), its command line and its configuration as it started (ckpt.pt holds the
+    configuration as of its last save)."""
+    record = {"started": time.time(), "started_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "command": command_line(argv, world), "config": cfg}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(record, f, indent=1, default=str)
+        f.write("\n")
 
 
 # -----------------------------------------------------------------------------
@@ -81,38 +124,84 @@ def explicit_keys(argv):
     return {k for k, v in configure(argv, dict.fromkeys(DEFAULTS)).items() if v is not None}
 
 
+def key_sources(argv):
+    """{key: where argv sets it (the last that does): its '--key=value', or a config file's path}. As in
+    explicit_keys, a key set to None counts as unset."""
+    sources = {}
+    for arg in argv:
+        for k, v in configure([arg], dict.fromkeys(DEFAULTS)).items():
+            if v is not None:
+                sources[k] = arg
+            elif arg.startswith(f"--{k}="):
+                sources.pop(k, None)
+    return sources
+
+
 def resolve_model_args(cfg, ckpt_args, explicit):
     """On resume the architecture comes from the checkpoint; a key that argv sets (explicit_keys: a config
     file counts) to something else is an error, also where that is the default, rather than silently
-    ignored. RUN_KEYS (dropout, kernels) come from this run's configuration instead (compile is not a
-    model key: it is always this run's)."""
+    ignored. RUN_KEYS (dropout, kernels) are run settings: dropout is the checkpoint's unless argv sets it,
+    kernels is always this run's (OWN_KEYS; compile is not a model key: it is always this run's)."""
     args = {}
     for k in MODEL_KEYS:
         saved = ckpt_args.get(k, DEFAULTS[k])
         if k in explicit and k not in RUN_KEYS and cfg[k] != saved:
             raise ConfigError(f"the checkpoint was trained with {k}={saved!r}, not {cfg[k]!r}; "
                               f"drop --{k} or use another out_dir")
-        args[k] = cfg[k] if k in RUN_KEYS else saved
+        args[k] = cfg[k] if k in RUN_KEYS and (k in explicit or k in OWN_KEYS) else saved
     return args
 
 
-def resume_budget(cfg, ckpt_cfg, explicit):
-    """On resume the run's length (BUDGET_KEYS) comes from the checkpoint unless argv sets it, so a
-    finished run resumed with fewer arguments does not train on. The rule: a set max_iters or
-    lr_decay_iters extends (or shortens) the run or its decay, nanoGPT's way to train on; a max_flops
-    budget decides max_iters again exactly as it did, and max_flops, max_seconds and warmup_iters cannot
-    change (check_resumed_budget compares them with the checkpoint's after planning; with max_seconds the
-    warm-up is re-planned from the pace, so it is not compared)."""
-    return {k: ckpt_cfg.get(k, cfg[k]) for k in BUDGET_KEYS if k not in explicit}
+def resumed_config(cfg, ckpt_cfg, explicit):
+    """On resume every key that argv does not set comes from the checkpoint's run (its dataset and
+    data_dir, batches, LR schedule, length and budget, evals, ...), so `train.py --init_from=resume
+    --out_dir=X` alone continues the run as it was, and a finished run resumed with fewer arguments does
+    not train on. Not OWN_KEYS (this process's: device, dtype, compile, kernels, wandb, ...) nor the
+    model's keys (resolve_model_args). A key that an older checkpoint lacks stays as configured."""
+    return {k: v for k, v in ckpt_cfg.items()
+            if k in DEFAULTS and k not in explicit and k not in OWN_KEYS and k not in MODEL_KEYS}
 
 
-def check_resumed_budget(cfg, ckpt_cfg):
-    """resume_budget's rule, after planning (the plan has the same inputs, only argv differs)."""
-    for k in ("max_flops", "max_seconds") + (("warmup_iters",) if cfg["max_seconds"] is None else ()):
-        saved = ckpt_cfg.get(k, cfg[k])
-        if cfg[k] != saved:
-            raise ConfigError(f"the checkpoint's run has {k}={saved!r}, not {cfg[k]!r}: resume keeps the "
-                              f"run's budget; drop --{k} or use another out_dir")
+def value_arg(key, value):
+    """--key=value as a shell word, a list as a comma list."""
+    return shlex.quote(f"--{key}=" + (",".join(map(str, value)) if isinstance(value, list) else str(value)))
+
+
+def check_resume_changes(cfg, ckpt_cfg, sources):
+    """After planning (a budget plans from the same inputs as it did), every run setting whose value
+    differs from the checkpoint's run, as (key, the run's value, this one, where argv sets it: key_sources;
+    None: planned). The rules:
+    - the budget (BUDGET_KEYS) and warmup_iters never change (with max_seconds the warm-up, max_iters and
+      lr_decay_iters follow the pace: not compared);
+    - a change of the plan (PLAN_KEYS: what the run trains) comes from the command line or not at all: a
+      config file that sets another value (`train.py config/x.py --init_from=resume` after a run
+      shortened with --max_iters=100, the file's max_iters=2000) is refused, naming the --key=value
+      that makes the change on purpose; `--max_iters=2000` extends a run, nanoGPT's way to train on;
+    - the rest (eval_interval, eval_iters, ...) may change from anywhere.
+    The architecture is resolve_model_args'; OWN_KEYS and the paths (out_dir, data_dir) are not compared."""
+    replanned = ("max_iters", "lr_decay_iters", "warmup_iters") if cfg["max_seconds"] is not None else ()
+    changes, refused = [], []
+    for k in DEFAULTS:
+        if (k in OWN_KEYS or k in replanned or k == "data_dir" or k not in ckpt_cfg
+                or (k in MODEL_KEYS and k not in RUN_KEYS) or cfg[k] == ckpt_cfg[k]):
+            continue
+        saved, where = ckpt_cfg[k], sources.get(k)
+        from_file = where is not None and not where.startswith("--")
+        if k in BUDGET_KEYS or k == "warmup_iters":
+            fix = (f"pass {value_arg(k, saved)} or resume without {where}" if from_file else
+                   f"drop --{k}" if where else "resume with the run's settings")
+            raise ConfigError(f"the checkpoint's run has {k}={saved!r}, not {cfg[k]!r}"
+                              + (f" (set in {where})" if from_file else "")
+                              + f": resume keeps the run's budget; {fix} or use another out_dir")
+        (refused if from_file and k in PLAN_KEYS else changes).append((k, saved, cfg[k], where))
+    if refused:
+        files = " and ".join(sorted({where for *_, where in refused}))
+        raise ConfigError(f"{files} would change the resumed run: "
+                          + ", ".join(f"{k}={new!r} (the run has {old!r})" for k, old, new, _ in refused)
+                          + "; a resume keeps the run's settings unless the command line changes them: pass "
+                          + " ".join(value_arg(k, new) for k, _, new, _ in refused)
+                          + f" to change them on purpose, or resume without {files} (the checkpoint has them)")
+    return changes
 
 
 def rng_state(device):
@@ -136,16 +225,26 @@ def restore_rng(rngs, rank, world, device):
 
 class StopSignals:
     """While active, SIGINT and SIGTERM only set a flag: the loop checkpoints at the next step boundary
-    (never inside the handler, where the model may be half-updated) and then exits."""
+    (never inside the handler, where the model may be half-updated), an eval stops at its next batch
+    (Trainer.estimate_loss), and the run exits. With repeat_exits (one process) a second signal exits at
+    once: the handler raises Interrupted(abort_message) wherever the run is, so nothing more is written
+    (a checkpoint being saved is a temp file until its rename: ckpt.pt stays as it was). Under torchrun
+    repeats change nothing: torchrun forwards the terminal's Ctrl-C to ranks that got it already (and
+    kills them itself 30 s after forwarding a signal)."""
 
-    def __init__(self):
-        self.signum = 0
+    def __init__(self, repeat_exits=False, abort_message=lambda: ""):
+        self.signum, self.repeat_exits, self.abort_message = 0, repeat_exits, abort_message
 
     def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.signum and self.repeat_exits:
+            self.restore()
+            raise Interrupted(self.abort_message(), signum)
         if not self.signum:
-            print(f"got {signal.Signals(signum).name}: saving a checkpoint after this step, then exiting",
+            print(f"got {name}: saving a checkpoint after this step (an eval stops at its next batch), then "
+                  f"exiting" + (f"; {name} again exits at once, without saving" if self.repeat_exits else ""),
                   file=sys.stderr, flush=True)
-        self.signum = signum  # repeats (torchrun forwards the terminal's Ctrl-C again) change nothing
+        self.signum = signum
 
     def install(self):
         self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -170,12 +269,16 @@ def keep_best_checkpoint(ckpt_path, out_dir):
         shutil.copyfile(ckpt_path, best_path)
 
 
+def command_line(argv, world):
+    """The command line of a run with arguments argv in `world` processes."""
+    launcher = ["python"] if world == 1 else ["torchrun", "--standalone", f"--nproc_per_node={world}"]
+    return shlex.join(launcher + ["train.py"] + list(argv))
+
+
 def resume_command(argv, out_dir, world):
     """The command line that continues this run: the same arguments, resuming from out_dir."""
     args = [a for a in argv if not a.startswith(("--init_from=", "--out_dir="))]
-    args += ["--init_from=resume", f"--out_dir={out_dir}"]
-    launcher = ["python"] if world == 1 else ["torchrun", "--standalone", f"--nproc_per_node={world}"]
-    return shlex.join(launcher + ["train.py"] + args)
+    return command_line(args + ["--init_from=resume", f"--out_dir={out_dir}"], world)
 
 
 # -----------------------------------------------------------------------------

@@ -6,8 +6,10 @@ import this module (and model, kernels, configurator); no script imports another
 
 import contextlib
 import json
+import math
 import os
 import pickle
+import sys
 from collections import namedtuple
 from dataclasses import fields
 
@@ -90,6 +92,48 @@ def model_config(cfg, vocab_size):
         return GPTConfig(vocab_size=vocab_size, **{k: cfg[k] for k in MODEL_KEYS})
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _number(value):
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def check_training_values(cfg, master=None):
+    """The optimizer's and the LR schedule's numbers of a train.py configuration, before anything is
+    built or written: a value AdamW or the schedule cannot take is a one-line ConfigError that names
+    the fix. Then warnings (rank 0; master None: from $RANK) for what runs but is likely a mistake: a
+    warm-up as long as the run, and kernels=triton on a CPU."""
+    def need(ok, key, what, example):
+        if not ok:
+            raise ConfigError(f"{key} must be {what}, got {cfg[key]!r} (e.g. --{key}={example})")
+    need(_number(cfg["learning_rate"]) and cfg["learning_rate"] > 0, "learning_rate", "a number > 0", "6e-4")
+    need(cfg["min_lr"] is None or (_number(cfg["min_lr"]) and cfg["min_lr"] >= 0), "min_lr",
+         "a number >= 0 (None: learning_rate / 10)", "6e-5")
+    for key, example in (("beta1", 0.9), ("beta2", 0.95)):
+        need(_number(cfg[key]) and 0 <= cfg[key] < 1, key, "in [0, 1) (AdamW's moment decay)", example)
+    need(_number(cfg["weight_decay"]) and cfg["weight_decay"] >= 0, "weight_decay", "a number >= 0 (0: none)", 0.1)
+    need(_number(cfg["grad_clip"]) and cfg["grad_clip"] >= 0, "grad_clip", "a number >= 0 (0: no clipping)", 1.0)
+    need(isinstance(cfg["warmup_iters"], int) and not isinstance(cfg["warmup_iters"], bool)
+         and cfg["warmup_iters"] >= 0, "warmup_iters", "a whole number >= 0 (0: no warm-up)", 100)
+    need(cfg["lr_decay_iters"] is None or (isinstance(cfg["lr_decay_iters"], int) and cfg["lr_decay_iters"] >= 0),
+         "lr_decay_iters", "a whole number >= 0 (None: max_iters)", cfg["max_iters"])
+    if master is None:
+        master = os.environ.get("RANK", "0") == "0"
+    if not master:
+        return
+    budget = cfg["max_flops"] is not None or cfg["max_seconds"] is not None  # those cap the warm-up themselves
+    if (cfg["init_from"] == "scratch" and not budget and isinstance(cfg["max_iters"], int)
+            and 0 < cfg["max_iters"] <= cfg["warmup_iters"]):
+        print(f"warning: warmup_iters {cfg['warmup_iters']} >= max_iters {cfg['max_iters']}: the whole run is "
+              f"warm-up and the LR never reaches learning_rate; lower it, e.g. "
+              f"--warmup_iters={math.ceil(0.1 * cfg['max_iters'])}", file=sys.stderr, flush=True)
+    if cfg["kernels"] == "triton" and (cfg["device"] == "cpu" or (cfg["device"] == "auto"
+                                                                  and not torch.cuda.is_available())):
+        print(KERNELS_ON_CPU, file=sys.stderr, flush=True)
+
+
+KERNELS_ON_CPU = ("note: kernels=triton on the CPU runs each fused op's CPU implementation, which is the "
+                  "PyTorch reference; the Triton kernels run on a GPU (on a CPU, --kernels=auto or torch)")
 
 
 # -----------------------------------------------------------------------------
@@ -185,15 +229,22 @@ def save_checkpoint(obj, path):
             os.close(fd)
 
 
-def load_checkpoint(path, device):
+def load_checkpoint(path, device, reader=False):
+    """out_dir/ckpt.pt; a missing or damaged one is a one-line ConfigError. reader: the caller reads a
+    trained run (sample.py, tradeoff.py, bench.py, plot.py), so the fix is the --out_dir of one; else it
+    is train.py resuming, which may start over instead (--init_from=scratch)."""
     if not os.path.exists(path):
+        if reader:
+            raise ConfigError(f"no checkpoint at {path}: pass --out_dir=DIR, the folder of a trained run "
+                              f"(python train.py ... --out_dir=DIR writes DIR/ckpt.pt)")
         raise ConfigError(f"no checkpoint at {path}: check --out_dir (or train with --init_from=scratch)")
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
         ckpt["model"], ckpt["model_args"], ckpt["iter_num"]
     except Exception as e:
-        raise ConfigError(f"checkpoint {path} is corrupt or truncated ({type(e).__name__}); "
-                          f"restore it from a copy or start with --init_from=scratch") from None
+        fix = "restore it from a copy or train the run again" if reader else \
+            "restore it from a copy or start with --init_from=scratch"
+        raise ConfigError(f"checkpoint {path} is corrupt or truncated ({type(e).__name__}); {fix}") from None
     return ckpt
 
 
@@ -272,6 +323,18 @@ def welch(values, baseline, alpha=0.05, power=0.8):
     out = dict(diff=diff, ci=(diff - half, diff + half), p=p, significant=p < alpha)
     out["seeds"] = None if out["significant"] else seeds_for_power(diff, s1, s2, alpha, power)
     return out
+
+
+def pick_baselines(cells, baseline=None):
+    """{cell: the cell it is tested against}, the one rule of flops.py's results tables and plot.py's
+    table: `baseline` when one is named; else, at the cell's depth, the plain prenorm cell (residual
+    prenorm, no MoD, no other keys: the reference the other modes are compared with), else the depth's
+    first cell. cells: (name, depth, whether it is plain prenorm), in the table's order."""
+    first = {}
+    for name, depth, plain in cells:
+        if depth not in first or (plain and not first[depth][1]):
+            first[depth] = (name, plain)
+    return {name: baseline or first[depth][0] for name, depth, _ in cells}
 
 
 SIGNIFICANCE_HEADER = ("Δ vs baseline", "95% CI", "p (Welch)", "seeds for 80% power")

@@ -64,6 +64,9 @@ DEFAULTS = dict(
     device="auto",  # auto (the GPU if there is one, else the CPU), cpu, cuda, cuda:1, ...
     dtype="auto",  # auto: bf16 autocast on a GPU that has it, fp16 on one that has not, fp32 on the CPU
 )
+ABOUT = ("tradeoff.py: val loss against executed FLOPs when a trained residual=nag model skips sublayers by "
+         "thresholds on its modulator, no retraining; it needs the run's folder, --out_dir=DIR (DIR/ckpt.pt, "
+         "dense or --mod=nag), and its dataset")
 CALIB_SEED = EVAL_SEED + 1  # calibration batches differ from the evaluation batches
 CALIBRATIONS = ("global", "routed", "dense")
 LABELS = {"global": "one threshold for all sublayers", "routed": "per-sublayer quantiles (routed)",
@@ -76,13 +79,20 @@ LABELS = {"global": "one threshold for all sublayers", "routed": "per-sublayer q
 def load_nag_model(path, device):
     """The checkpoint's model rebuilt as mod=nag, mod_rate 0 (thresholds nan: dense), eval mode.
     Returns (model, the checkpoint's tau or None, the checkpoint)."""
-    ckpt = load_checkpoint(path, device)
+    ckpt = load_checkpoint(path, device, reader=True)
     args = dict(ckpt["model_args"])
     residual, mod = args.get("residual", "prenorm"), args.get("mod", "none")
+    out_dir = os.path.dirname(path)
+    if mod in ("router", "skip_middle"):  # trained to skip by its own router or gates: nothing to calibrate here
+        raise ConfigError(f"{path} is a mod={mod} model, which routes by its own trained "
+                          f"{'router' if mod == 'router' else 'gates'}: the trade-off calibrates thresholds on a "
+                          f"residual=nag model's modulator instead; for this one, python sample.py "
+                          f"--out_dir={out_dir} prints its skip rate" + (f" and python plot.py routing {out_dir} "
+                                                                        f"draws its routing" if mod == "router" else ""))
     if residual != "nag":
         raise ConfigError(f"{path} is a residual={residual} model: the trade-off needs residual=nag, because "
-                          f"the skip score is the NAG modulator's tangent a_l = alpha_l m_l(r) (train with "
-                          f"--residual=nag; other residuals need a trained router, --mod=router)")
+                          f"the skip score is the NAG modulator's tangent a_l = alpha_l m_l(r): pass the --out_dir "
+                          f"of a run trained with --residual=nag (dense, or with --mod=nag)")
     if mod not in ("none", "nag"):
         raise ConfigError(f"{path} was trained with mod={mod}; the trade-off needs mod=none or mod=nag")
     args.update(mod="nag", mod_rate=0.0, dropout=0.0)
@@ -268,7 +278,7 @@ def check(cfg):
 
 def main(argv):
     """Run the trade-off; returns the rows (dicts) it wrote to the CSV."""
-    cfg = configure(argv, DEFAULTS, [(__file__, "DEFAULTS")])  # --help prints DEFAULTS' comments
+    cfg = configure(argv, DEFAULTS, [(__file__, "DEFAULTS")], ABOUT)  # --help prints DEFAULTS' comments
     rates, methods = check(cfg)
     device, cfg["dtype"], autocast = pick_device(cfg["device"], cfg["dtype"])
 

@@ -5,19 +5,24 @@ One process (GPU if there is one, else CPU):
     python train.py config/shakespeare_char_cpu.py --residual=prenorm
 DDP, 8 GPUs on one node (gloo instead of NCCL when there is no GPU):
     torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2_owt.py
-Resume the run in out_dir:
-    python train.py config/shakespeare_char_cpu.py --init_from=resume
+Resume the run in out_dir (what the command line does not set comes from its checkpoint; a larger
+--max_iters trains on):
+    python train.py --init_from=resume --out_dir=out-shakespeare-char-cpu
+    python train.py --init_from=resume --out_dir=out-shakespeare-char-cpu --max_iters=4000 --lr_decay_iters=4000
 Mixture-of-Depths (GPTConfig's keys mod, mod_rate, skip_target, ... are config keys too):
     python train.py config/shakespeare_char_cpu.py --residual=nag --mod=nag --mod_rate=0.25
     python train.py config/shakespeare_char_cpu.py --residual=sandwich --mod=skip_middle --mod_rate=0.25
-Ctrl-C (SIGINT) or SIGTERM checkpoints at the next step boundary and prints the resume command (under
-DDP the ranks agree on the step at log iterations, so the stop may come up to log_interval steps later).
+A start from scratch moves an earlier run in out_dir into out_dir/run-<its start time>/.
+Ctrl-C (SIGINT) or SIGTERM checkpoints at the next step boundary (an eval stops at its next batch) and
+prints the resume command; a second one exits at once (under DDP the ranks agree on the step at log
+iterations, so the stop may come up to log_interval steps later).
 """
 
 import contextlib
 import json
 import math
 import os
+import shlex
 import signal
 import sys
 import time
@@ -30,8 +35,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from configurator import ConfigError, configure
 from flops import counted_dense, iterations_for_budget, mfu, train_flops_per_token
 from guards import (Interrupted, StopSignals, TrainingStopped, ZeroGradientCheck, check_bad_steps,
-                    check_resumed_budget, check_writable, explicit_keys, keep_best_checkpoint, resolve_model_args,
-                    restore_rng, resume_budget, resume_command, rng_state, set_aside_previous_run)
+                    check_resume_changes, check_writable, explicit_keys, keep_best_checkpoint, key_sources,
+                    resolve_model_args, restore_rng, resume_command, resumed_config, rng_state,
+                    set_aside_previous_run, write_run_record)
 from model import GPT
 from run_config import (DEFAULTS, EVAL_SEED, HELP_FROM, find_data, get_batch, load_checkpoint, model_config,
                         pick_device, save_checkpoint)
@@ -39,6 +45,11 @@ from run_config import (DEFAULTS, EVAL_SEED, HELP_FROM, find_data, get_batch, lo
 WARMUP_CAP = 0.1  # with max_flops, warmup_iters is at most this fraction of the budget's iterations (rounded up)
 POSITIVE_KEYS = ("batch_size", "gradient_accumulation_steps", "eval_interval", "log_interval", "eval_iters")
 WANDB_NAMES = {"train_loss": "train/loss", "val_loss": "val/loss"}  # log.jsonl's names that wandb gets as nanoGPT's
+EARLY_STEPS = 5  # a process's first timed progress line comes at most this many steps after its first step
+EVAL_PROGRESS_S = 10.0  # an eval running longer prints its progress this often (seconds)
+SLOW_EVAL_S, SLOW_RUN_S = 300.0, 3600.0  # on the CPU, an eval or a run estimated longer than this is warned about
+SLOW_HINT = ("a configuration sized for a GPU? On a CPU: config/shakespeare_char_cpu.py, or lower --eval_iters, "
+             "--max_iters and the model (--n_layer, --n_embd). Ctrl-C stops the run with a checkpoint")
 
 
 # -----------------------------------------------------------------------------
@@ -60,6 +71,8 @@ def check_run_config(cfg):
         seconds = cfg["max_seconds"]
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
             raise ConfigError(f"max_seconds must be a number of seconds > 0, got {cfg['max_seconds']!r}")
+    from run_config import check_training_values  # AdamW's and the schedule's numbers; warnings
+    check_training_values(cfg)
 
 
 def check_nag_recipe(cfg):
@@ -286,7 +299,8 @@ class Trainer:
         self.open_out_dir()
 
     def setup_processes(self):
-        """DDP from torchrun's environment, the device and precision, seeds."""
+        """DDP from torchrun's environment, the device and precision (find_inputs seeds, once the
+        configuration is complete)."""
         cfg = self.cfg
         self.ddp = int(os.environ.get("RANK", -1)) != -1
         self.rank, self.world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if self.ddp else (0, 1)
@@ -302,30 +316,26 @@ class Trainer:
             from torch.distributed.nn import functional  # noqa: F401
             dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
         self.device, cfg["device"] = device, str(device)
-        if cfg["gradient_accumulation_steps"] % self.world != 0:
-            raise ConfigError(f"gradient_accumulation_steps ({cfg['gradient_accumulation_steps']}) must be "
-                              f"divisible by the number of processes ({self.world})")
-        self.accum = cfg["gradient_accumulation_steps"] // self.world  # micro-steps per rank
-        torch.manual_seed(cfg["seed"] + self.rank)  # dropout differs per rank; data order is set per batch
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
     def find_inputs(self):
-        """The data and, on resume, the checkpoint (its architecture and budget: resolve_model_args,
-        resume_budget); the model's configuration, checked. Returns the checkpoint (None from scratch)."""
+        """On resume the checkpoint first: what argv does not set comes from it (resumed_config: the dataset
+        too), its architecture wins (resolve_model_args). Then the data, and the model's configuration,
+        checked. Returns the checkpoint (None from scratch)."""
         cfg = self.cfg
-        self.paths, self.vocab_size = find_data(cfg, self.master)
         self.ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
         self.log_path = os.path.join(cfg["out_dir"], "log.jsonl")
         ckpt, self.ckpt_cfg = None, None
         if cfg["init_from"] == "resume":
             ckpt = load_checkpoint(self.ckpt_path, self.device)
-            if ckpt["model_args"]["vocab_size"] != self.vocab_size:
-                raise ConfigError(f"the checkpoint has vocab_size {ckpt['model_args']['vocab_size']} but dataset "
-                                  f"{cfg['dataset']} has {self.vocab_size}; use the dataset it was trained on")
-            explicit, self.ckpt_cfg = explicit_keys(self.argv), ckpt["config"]
-            cfg.update(resolve_model_args(cfg, ckpt["model_args"], explicit))
-            cfg.update(resume_budget(cfg, self.ckpt_cfg, explicit))
+            self.explicit, self.ckpt_cfg = explicit_keys(self.argv), ckpt["config"]
+            cfg.update(resumed_config(cfg, self.ckpt_cfg, self.explicit))
+            cfg.update(resolve_model_args(cfg, ckpt["model_args"], self.explicit))
+        self.paths, self.vocab_size = find_data(cfg, self.master)
+        if ckpt is not None and ckpt["model_args"]["vocab_size"] != self.vocab_size:
+            raise ConfigError(f"the checkpoint has vocab_size {ckpt['model_args']['vocab_size']} but dataset "
+                              f"{cfg['dataset']} has {self.vocab_size}; use the dataset it was trained on")
         for split in ("train", "val"):  # a batch needs block_size + 1 consecutive tokens
             n_tokens = os.path.getsize(self.paths[split]) // 2
             if cfg["block_size"] >= n_tokens:
@@ -333,13 +343,21 @@ class Trainer:
                                   f"{cfg['dataset']} ({n_tokens} tokens); lower --block_size")
         self.gptconf = model_config(cfg, self.vocab_size)
         check_nag_recipe(cfg)  # after the model keys: on resume, residual comes from the checkpoint
+        # the configuration is complete (on resume with the checkpoint's): the micro-steps per rank, the seed
+        if cfg["gradient_accumulation_steps"] % self.world != 0:
+            raise ConfigError(f"gradient_accumulation_steps ({cfg['gradient_accumulation_steps']}) must be "
+                              f"divisible by the number of processes ({self.world})")
+        self.accum = cfg["gradient_accumulation_steps"] // self.world  # micro-steps per rank
+        torch.manual_seed(cfg["seed"] + self.rank)  # dropout differs per rank; data order is set per batch
         return ckpt
 
     def open_out_dir(self):
         """After every check (a failed start leaves out_dir as it was): from scratch, the files of an
-        earlier run in out_dir are moved aside, never overwritten."""
+        earlier run in out_dir are moved, whole, into a folder of their own (never overwritten), and this
+        run's config.json is written."""
         if self.cfg["init_from"] == "scratch" and self.master:
-            set_aside_previous_run(self.cfg["out_dir"], self.ckpt_path, self.log_path)
+            set_aside_previous_run(self.cfg["out_dir"])
+            write_run_record(self.cfg["out_dir"], self.cfg, self.argv, self.world)
 
     def build_model(self, ckpt):
         """The model, AdamW and the fp16 grad scaler, restored from ckpt when resuming; then compiled
@@ -351,6 +369,9 @@ class Trainer:
                                                              cfg["nag_gate_decay"])
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg["dtype"] == "float16")
         self.iter_num, self.best_val_loss, self.flops_base, self.seconds = 0, float("inf"), 0.0, 0.0
+        self.eval_due = False  # the eval of iter_num was broken off by a stop: the resume runs it first
+        self.ckpt_saved = None  # (iteration, val loss) of the checkpoint in ckpt.pt (val loss None: not known here)
+        self.last_losses = None  # the last eval's losses
         if ckpt is not None:
             self.restore(ckpt)
         self.model = self.raw_model
@@ -366,6 +387,10 @@ class Trainer:
             print(f"{self.raw_model.describe()}, {self.raw_model.get_num_params() / 1e6:.2f}M non-embedding params | "
                   f"{self.device} {cfg['dtype']} | {self.world} process(es) x {self.accum} micro-steps x "
                   f"{cfg['batch_size']} x {cfg['block_size']} = {self.tokens_per_iter:,} tokens/iter")
+            if device.type == "cpu" and cfg["dtype"] == "float16":
+                print("WARNING: float16 on the CPU has no fast kernels: it runs over 10x slower than float32 "
+                      "(the quickstart: 12x to 16x); use --dtype=float32 (auto picks it on the CPU)",
+                      file=sys.stderr, flush=True)
 
     def restore(self, ckpt):
         """Resume: the weights, the optimizer (fused AdamW, as it was saved), the grad scaler, the run so
@@ -376,9 +401,37 @@ class Trainer:
         self.scaler.load_state_dict(ckpt["scaler"])
         self.iter_num, self.best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
         self.flops_base, self.seconds = ckpt["flops"], ckpt["seconds"]
+        self.eval_due = ckpt.get("eval_due", False)  # a stop broke off the eval of iter_num: it runs first
+        self.ckpt_saved = (self.iter_num, None)
         restore_rng(ckpt["rng"], self.rank, self.world, self.device)
         if self.master:
             print(f"resuming from {self.ckpt_path} at iter {self.iter_num} (best val loss {self.best_val_loss:.4f})")
+            if self.changes:
+                print("this resume changes the run: " + ", ".join(
+                    f"{k} {old!r} -> {new!r} ({where or 'planned'})" for k, old, new, where in self.changes))
+                if self.iter_num < self.cfg["max_iters"]:
+                    print(self.schedule())
+
+    def schedule(self):
+        """The LR schedule from iter_num on, in words: where the warm-up and the cosine end, the run's end."""
+        cfg, start = self.cfg, self.iter_num
+        end, decay_end = cfg["max_iters"], cfg["lr_decay_iters"]
+        text = f"the plan from iter {start}: LR {self.lr(start):.2e}"
+        if not cfg["decay_lr"]:
+            return text + f" (decay_lr=False: constant) to the end at iter {end}"
+        if start < cfg["warmup_iters"]:
+            text += f", warm-up to {cfg['learning_rate']:.2e} at iter {cfg['warmup_iters']}"
+        if start < decay_end:
+            text += f", cosine down to min_lr {cfg['min_lr']:.2e} at iter {decay_end} (lr_decay_iters)"
+        if end > max(start, decay_end):
+            text += f", min_lr {cfg['min_lr']:.2e} from iter {max(start, decay_end)}"
+        text += f"; the run ends at iter {end}"
+        changed = {k for k, *_ in self.changes}
+        if end > decay_end and "max_iters" in changed and "lr_decay_iters" not in changed:
+            text += f" (to decay over the new length as well, add --lr_decay_iters={end})"
+        elif end < decay_end:
+            text += f", its LR {self.lr(end):.2e} there (the cosine ends later, at lr_decay_iters)"
+        return text
 
     def plan_iterations(self):
         """max_iters, the LR schedule's lengths and the FLOP count; a budget sets them: --max_flops here
@@ -395,8 +448,10 @@ class Trainer:
             self.plan_flops()
         if cfg["max_seconds"] is not None:
             self.plan_deadline()
-        if self.ckpt_cfg is not None:  # resume_budget's rule: planned from the same inputs, only argv differs
-            check_resumed_budget(cfg, self.ckpt_cfg)
+        self.changes = []  # on resume: the run settings this process changes (printed by restore)
+        if self.ckpt_cfg is not None:  # planned from the same inputs as the checkpoint's run: only argv differs
+            sources = {k: v for k, v in key_sources(self.argv).items() if k in self.explicit}
+            self.changes = check_resume_changes(cfg, self.ckpt_cfg, sources)
         self.gpu_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None  # MFU
 
     def plan_flops(self):
@@ -421,7 +476,7 @@ class Trainer:
     def plan_deadline(self):
         """max_seconds (equal time): plan_seconds sets the iterations at every step boundary."""
         cfg = self.cfg
-        if cfg["max_flops"] is not None:  # after resume_budget: either may come from the checkpoint
+        if cfg["max_flops"] is not None:  # after resumed_config: either may come from the checkpoint
             raise ConfigError("max_flops and max_seconds are two budgets (FLOPs, time): set one of them")
         if self.ddp:
             raise ConfigError("max_seconds runs in one process for now (DDP ranks would have to agree on the "
@@ -475,50 +530,89 @@ class Trainer:
 
     @torch.no_grad()
     def estimate_loss(self):
-        """Mean loss on eval_iters fixed batches (seed EVAL_SEED) of each split, in eval mode."""
-        cfg = self.cfg
+        """Mean loss on eval_iters fixed batches (seed EVAL_SEED) of each split, in eval mode; None when a
+        stop signal came: it is checked between batches, so an eval (an hour for a GPU-sized model on a CPU)
+        never holds a stop up by more than a batch. An eval running longer than EVAL_PROGRESS_S prints its
+        progress and the time left, that often (on the CPU, one estimated over SLOW_EVAL_S also a warning)."""
+        cfg, stop = self.cfg, getattr(self, "stop", None)
+        n, done = 2 * cfg["eval_iters"], 0
+        t_start = t_shown = time.time()
         self.eval_model.eval()
         out = {}
-        for split in ("train", "val"):
-            g = torch.Generator().manual_seed(EVAL_SEED)
-            losses = torch.zeros(cfg["eval_iters"])
-            for k in range(cfg["eval_iters"]):
-                X, Y = get_batch(self.paths[split], cfg["batch_size"], cfg["block_size"], g, self.device)
-                with self.autocast:
-                    _, loss = self.eval_model(X, Y)
-                losses[k] = loss.item()
-            out[split] = losses.mean().item()
-        self.eval_model.train()
+        try:
+            for split in ("train", "val"):
+                g = torch.Generator().manual_seed(EVAL_SEED)
+                losses = torch.zeros(cfg["eval_iters"])
+                for k in range(cfg["eval_iters"]):
+                    if stop is not None and stop.signum:
+                        return None
+                    X, Y = get_batch(self.paths[split], cfg["batch_size"], cfg["block_size"], g, self.device)
+                    with self.autocast:
+                        _, loss = self.eval_model(X, Y)
+                    losses[k] = loss.item()
+                    done, now = done + 1, time.time()
+                    if now - t_shown >= EVAL_PROGRESS_S and done < n:
+                        t_shown = now
+                        self.eval_progress(done, n, now - t_start)
+                out[split] = losses.mean().item()
+        finally:
+            self.eval_model.train()
         return out
+
+    def eval_progress(self, done, n, spent):
+        """A long eval's progress line (rank 0); the first one on the CPU that shows a slow eval warns."""
+        left = spent / done * (n - done)
+        print(f"eval at iter {self.iter_num}: {done}/{n} batches in {format_duration(spent)}, "
+              f"about {format_duration(left)} left (Ctrl-C stops it)", flush=True)
+        if self.device.type == "cpu" and spent + left > SLOW_EVAL_S and not self.warned_slow_eval:
+            self.warned_slow_eval = True
+            print(f"WARNING: on the CPU each eval of this run takes about {format_duration(spent + left)} ({n} "
+                  f"batches of {self.cfg['batch_size']} x {self.cfg['block_size']} tokens); {SLOW_HINT}",
+                  file=sys.stderr, flush=True)
 
     def evaluate(self, lr):
         """An eval iteration (rank 0 evaluates; every rank joins the collectives): the losses and what
-        the run did since the last eval go to log.jsonl, and the checkpoint is saved."""
+        the run did since the last eval go to log.jsonl, and the checkpoint is saved. An eval that a stop
+        signal breaks off (estimate_loss) logs and saves nothing: eval_due, the stop's checkpoint has it
+        run first on resume."""
         cfg = self.cfg
         self.read_stats(self.iter_num - 1)  # waits for the steps still queued on the GPU: their time is training
         dt = time.time() - self.t_last if self.iters_since else 0.0
         self.train_time, self.seconds = self.train_time + dt, self.seconds + dt
         rngs, flops = self.all_rng_states(), self.flops_so_far()
+        self.eval_due = False  # on every rank (the loop's choice to evaluate must be theirs too)
         if self.master:
             t_eval = time.time()
             losses = self.estimate_loss()
-            record = self.eval_record(losses, lr, flops)
-            print(f"step {self.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-            with open(self.log_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-            if self.wandb_run:  # the record's numbers (lists, None and the diagnostics stay in log.jsonl)
-                self.wandb_run.log({WANDB_NAMES.get(k, k): v for k, v in record.items()
-                                    if isinstance(v, (int, float))}, step=self.iter_num)
-            improved = losses["val"] < self.best_val_loss
-            self.best_val_loss = min(self.best_val_loss, losses["val"])
-            if self.iter_num > 0 and not cfg["eval_only"] and (improved or cfg["always_save_checkpoint"]):
-                self.save(rngs, flops, self.seconds)  # eval_only trains nothing: the checkpoint it read stays as it was
-            if self.evals_run:  # the process's first eval also warms the eval path up: no measure of the next
-                self.eval_s = time.time() - t_eval
-            self.evals_run += 1
+            self.eval_due = losses is None
+            if losses is None:
+                print(f"eval at iter {self.iter_num}: stopped by {signal.Signals(self.stop.signum).name}; "
+                      f"a resume runs it first", flush=True)
+            else:
+                self.log_eval(losses, lr, flops)
+                improved = losses["val"] < self.best_val_loss
+                self.best_val_loss = min(self.best_val_loss, losses["val"])
+                if self.iter_num > 0 and not cfg["eval_only"] and (improved or cfg["always_save_checkpoint"]):
+                    self.save(rngs, flops, self.seconds, losses["val"])  # eval_only: the checkpoint it read stays
+                if self.evals_run:  # the process's first eval also warms the eval path up: no measure of the next
+                    self.eval_s = time.time() - t_eval
+                else:
+                    self.first_eval_s = time.time() - t_eval
+                self.evals_run += 1
         self.train_time, self.iters_since = 0.0, 0
         self.flops_last, self.stats.exec_sum, self.stats.exec_n = flops, None, 0
         self.t_last, self.log_iters, self.flops_mark = time.time(), 0, self.stats.flops
+
+    def log_eval(self, losses, lr, flops):
+        """An eval's losses: printed, a line of log.jsonl and, with wandb_log, to wandb."""
+        record = self.eval_record(losses, lr, flops)
+        print(f"step {self.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        self.last_losses = losses
+        with open(self.log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb_run:  # the record's numbers (lists, None and the diagnostics stay in log.jsonl)
+            self.wandb_run.log({WANDB_NAMES.get(k, k): v for k, v in record.items()
+                                if isinstance(v, (int, float))}, step=self.iter_num)
 
     def eval_record(self, losses, lr, flops):
         """log.jsonl's record of this eval: losses, speed and MFU since the last eval, the run's FLOPs,
@@ -549,13 +643,21 @@ class Trainer:
         record["residual"] = cfg["residual"]  # plot.py's labels and tables
         return record
 
-    def save(self, rngs, flops, seconds):
-        save_checkpoint({
-            "model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict(), "model_args": asdict(self.gptconf),
-            "iter_num": self.iter_num, "best_val_loss": self.best_val_loss, "config": self.cfg, "rng": rngs,
-            "flops": flops, "seconds": seconds,
-        }, self.ckpt_path)
+    def save(self, rngs, flops, seconds, val_loss=None):
+        """ckpt.pt, atomically (a temp file renamed over it); eval_due: the eval of iter_num is still to run.
+        A save broken off (a second signal) removes its temp file: ckpt.pt stays as it was."""
+        try:
+            save_checkpoint({
+                "model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict(), "model_args": asdict(self.gptconf),
+                "iter_num": self.iter_num, "best_val_loss": self.best_val_loss, "config": self.cfg, "rng": rngs,
+                "flops": flops, "seconds": seconds, "eval_due": self.eval_due,
+            }, self.ckpt_path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(self.ckpt_path + ".tmp")
+            raise
+        self.ckpt_saved = (self.iter_num, val_loss)
         print(f"saved checkpoint to {self.ckpt_path}")
 
     def all_rng_states(self):
@@ -607,13 +709,15 @@ class Trainer:
 
     # --- a stop by signal, the progress line
 
-    def stop_if_signalled(self):
+    def stop_if_signalled(self, at_eval=False):
         """At a step boundary the state is exactly "before iteration iter_num", so a checkpoint now
-        resumes bit-for-bit (data and LR depend only on iter_num). Under DDP every rank must stop at the
-        same iteration: they agree on it (a tiny all_reduce, read on the host) at log iterations."""
+        resumes bit-for-bit (data and LR depend only on iter_num); an eval that the signal broke off is
+        marked due in it (eval_due). Under DDP every rank must stop at the same iteration: they agree on
+        it (a tiny all_reduce, read on the host) at log iterations and after an eval (at_eval: rank 0 may
+        have broken it off). eval_only writes nothing: the checkpoint it read stays as it was."""
         cfg, signum = self.cfg, self.stop.signum
         if self.ddp:
-            if self.iter_num % cfg["log_interval"] == 0:
+            if at_eval or self.iter_num % cfg["log_interval"] == 0:
                 flag = torch.tensor([signum], device=self.device)
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
                 signum = int(flag.item())
@@ -623,15 +727,35 @@ class Trainer:
             return
         self.read_stats(self.iter_num - 1)
         rngs, flops = self.all_rng_states(), self.flops_so_far()
-        if self.master:
+        if self.master and not cfg["eval_only"]:
             if not cfg["always_save_checkpoint"]:  # the interrupt checkpoint is the resume point: ckpt.pt
                 keep_best_checkpoint(self.ckpt_path, cfg["out_dir"])
             self.save(rngs, flops, self.seconds_trained())
-        self.stop.restore()  # only now: a repeated signal must not break off the save
+        self.stop.restore()  # a repeated signal now ends the process as it would without train.py's handler
         self.leave_processes()
-        raise Interrupted(f"interrupted by {signal.Signals(signum).name} before iteration {self.iter_num}; "
-                          f"checkpoint in {self.ckpt_path}. Resume with: "
-                          f"{resume_command(self.argv, cfg['out_dir'], self.world)}" if self.master else "", signum)
+        name = signal.Signals(signum).name
+        if not self.master:
+            message = ""
+        elif cfg["eval_only"]:
+            message = f"interrupted by {name}: eval_only, nothing written" + self.kept()
+        else:
+            message = (f"interrupted by {name} before iteration {self.iter_num}"
+                       + (" (its eval broken off: the resume runs it first)" if self.eval_due else "")
+                       + f"; checkpoint in {self.ckpt_path}. Resume with: "
+                       + resume_command(self.argv, cfg["out_dir"], self.world))
+        raise Interrupted(message, signum)
+
+    def kept(self):
+        """'; ckpt.pt is as it was (iter N)', or '' when out_dir has no checkpoint."""
+        if self.ckpt_saved is None:
+            return ""
+        return f"; {self.ckpt_path} is as it was (iter {self.ckpt_saved[0]})"
+
+    def abort_message(self):
+        """A second signal (one process): the run exits at once, writing nothing more."""
+        return (f"stopped at once by a second signal: no checkpoint written for this stop" + self.kept()
+                + (f". Resume with: {resume_command(self.argv, self.cfg['out_dir'], self.world)}"
+                   if self.ckpt_saved else ""))
 
     def after_step(self, loss, t_step):
         """Timing: the process's first step is timed alone (its warm-up, kernels compiling or with
@@ -648,7 +772,11 @@ class Trainer:
         else:
             self.iters_since += 1
             self.log_iters += 1
-        if self.iter_num % cfg["log_interval"] != 0:
+        # the progress line at log iterations; and, until a line has shown the pace, EARLY_STEPS steps into
+        # the process or at its last iteration, so that a run shorter than log_interval shows it too
+        early = not self.pace_shown and self.log_iters and (self.iter_num - self.start_iter >= EARLY_STEPS
+                                                            or self.iter_num == cfg["max_iters"] - 1)
+        if self.iter_num % cfg["log_interval"] != 0 and not early:
             return
         self.read_stats(self.iter_num)
         t_now = time.time()
@@ -658,23 +786,39 @@ class Trainer:
                            self.tokens_per_iter / dt, self.gpu_name, self.world) if dt else None)
         self.train_time, self.seconds = self.train_time + t_now - self.t_last, self.seconds + t_now - self.t_last
         self.t_last, self.log_iters, self.flops_mark = t_now, 0, self.stats.flops
+        self.pace_shown = self.pace_shown or dt is not None
         if self.master:
             print(log_line(self.iter_num, cfg["max_iters"], loss.item() * self.accum, dt, self.tokens_per_iter,
                            utilisation, self.lr(self.iter_num), self.eta(dt)))
             if self.grad_check:
                 self.grad_check.warn(self.iter_num)
+            if dt and self.device.type == "cpu" and not self.warned_slow_run:
+                self.warn_if_slow(dt)
 
-    def eta(self, dt):
+    def warn_if_slow(self, dt):
+        """On the CPU, at the first progress line with a pace: a warning when the run is estimated to take
+        longer than SLOW_RUN_S (its evals at the last one's duration, else the first's)."""
+        self.warned_slow_run = True
+        eval_s = self.eval_s if self.eval_s is not None else self.first_eval_s
+        left = self.eta(dt, eval_s)
+        if left > SLOW_RUN_S:
+            evals = f", evals about {format_duration(eval_s)} each" if eval_s is not None else ""
+            print(f"WARNING: on the CPU this run takes about {format_duration(left)} more at its first steps' pace "
+                  f"({dt * 1000:,.0f} ms/iter{evals}, to iter {self.cfg['max_iters']}); {SLOW_HINT}",
+                  file=sys.stderr, flush=True)
+
+    def eta(self, dt, eval_s=None):
         """Seconds left after this iteration at dt seconds per iteration (None: no step timed yet). The
-        evals left take as long as the last one; until one is timed, as long as a third of 2 x eval_iters
-        training micro-steps (an eval's forward passes; a micro-step is about 3 of them)."""
+        evals left take eval_s each, by default as long as the last one; until one is timed, as long as a
+        third of 2 x eval_iters training micro-steps (an eval's forward passes; a micro-step is about 3 of them)."""
         if not dt:
             return None
         cfg = self.cfg
         left = cfg["max_iters"] - self.iter_num - 1
         evals_left = (cfg["max_iters"] // cfg["eval_interval"] - self.iter_num // cfg["eval_interval"]
                       + (cfg["max_iters"] % cfg["eval_interval"] != 0))
-        eval_s = self.eval_s if self.eval_s is not None else dt / self.accum * 2 * cfg["eval_iters"] / 3
+        if eval_s is None:
+            eval_s = self.eval_s if self.eval_s is not None else dt / self.accum * 2 * cfg["eval_iters"] / 3
         return left * dt + evals_left * eval_s
 
     # --- the loop
@@ -689,6 +833,10 @@ class Trainer:
         # the last eval's time (and its checkpoint's), for the ETA's evals to come; None until an eval after the
         # process's first (which warms up) is timed
         self.eval_s, self.evals_run = None, 0
+        self.first_eval_s = None  # the process's first eval's time (warm-up included): warn_if_slow's
+        self.pace_shown = False  # whether a progress line has shown ms/iter yet
+        self.warned_slow_eval = self.warned_slow_run = False  # on the CPU: eval_progress, warn_if_slow
+        self.t_loop = time.time()  # the summary's time
         self.first_step = True  # the first step warms up (compiles): timed alone, outside ms/iter and tok/s
         self.stats = StepStats(self.gptconf, self.micro_tokens, self.device)  # bad steps, MoD: read at log/eval
         self.flops_last = self.flops_base  # the run's training FLOPs at the last eval
@@ -714,12 +862,14 @@ class Trainer:
             finish_wandb(run, exit_code)
 
     def loop(self):
-        """Evaluate (and checkpoint) before iteration iter_num; train it; repeat; then leave the process group."""
+        """Evaluate (and checkpoint) before iteration iter_num; train it; repeat; then say how the run ended
+        (summary) and leave the process group."""
         cfg = self.cfg
         self.start_clocks()
         batches = train_batches(self.paths["train"], cfg["batch_size"], cfg["block_size"], cfg["seed"],
                                 self.iter_num, self.rank * self.accum, self.accum, self.device)
-        self.stop = StopSignals().install()  # restored when the loop ends (normally, by a signal or by NaNs)
+        # restored when the loop ends (normally, by a signal or by NaNs)
+        self.stop = StopSignals(repeat_exits=not self.ddp, abort_message=self.abort_message).install()
         while True:
             if cfg["max_seconds"] is not None:
                 self.plan_seconds()
@@ -729,11 +879,14 @@ class Trainer:
                 self.raw_model.set_warmup(alpha_warmup(self.iter_num, self.tokens_per_iter,
                                                        cfg["nag_alpha_warmup_tokens"]))
             is_eval = self.iter_num % cfg["eval_interval"] == 0 or self.iter_num == cfg["max_iters"]
-            if is_eval and (self.iter_num != self.start_iter or self.start_iter == 0 or cfg["eval_only"]):
+            # a resume does not repeat the eval its checkpoint was saved at, unless a stop broke that one off
+            evaluating = cfg["eval_only"] or self.eval_due or (
+                is_eval and (self.iter_num != self.start_iter or self.start_iter == 0))
+            if evaluating:
                 self.evaluate(lr)
+            self.stop_if_signalled(at_eval=evaluating)  # a signal during an eval (the last one too) stops here
             if self.iter_num >= cfg["max_iters"] or cfg["eval_only"]:
                 break
-            self.stop_if_signalled()
             if self.grad_check:
                 self.grad_check.arm(self.iter_num, cfg["log_interval"])
             t_step = time.time()
@@ -742,7 +895,43 @@ class Trainer:
             self.after_step(loss, t_step)
             self.iter_num += 1
         self.stop.restore()
+        if self.master and not cfg["eval_only"]:
+            self.summary()
         self.leave_processes()  # after rank 0's last eval and checkpoint
+
+    def summary(self):
+        """The end of the loop, on rank 0: a resume with nothing to do says the run is finished and how to
+        extend it; a run that trained or evaluated gives its losses, iterations, time, checkpoint and the
+        command that samples from it."""
+        cfg = self.cfg
+        out_dir = cfg["out_dir"]
+        sample = f"python sample.py --out_dir={shlex.quote(out_dir)}"
+        if self.iter_num == self.start_iter and not self.evals_run:
+            if cfg["max_flops"] is not None or cfg["max_seconds"] is not None:
+                budget = "max_flops" if cfg["max_flops"] is not None else "max_seconds"
+                how = (f"Its budget ({budget}={cfg[budget]:g}) is spent and a resume keeps it: train a larger one "
+                       f"in another --out_dir")
+            else:
+                more = 2 * max(self.iter_num, 1)
+                how = (f"To train on, resume with a larger --max_iters (and --lr_decay_iters for the LR to decay "
+                       f"over it), e.g. --max_iters={more} --lr_decay_iters={more}")
+            print(f"the run in {out_dir} is finished: it is at iter {self.iter_num}, max_iters={cfg['max_iters']}, "
+                  f"so there is nothing to train. {how}; --eval_only=True evaluates it; {sample} samples from it")
+            return
+        final = self.last_losses["val"] if self.last_losses else None
+        # the last "val loss" printed is the final eval's (bench.py's quickstart reads it)
+        print(f"done: iter {self.iter_num}/{cfg['max_iters']}"
+              + (f" (this process trained {self.iter_num - self.start_iter} from iter {self.start_iter})"
+                 if self.start_iter else "")
+              + f" in {format_duration(time.time() - self.t_loop)} (evals included)"
+              + (f"; val loss {final:.4f} at the end, best {self.best_val_loss:.4f}" if final is not None else ""))
+        if self.ckpt_saved is None:
+            print("no checkpoint written: iteration 0 (nothing trained) is not saved")
+            return
+        it, val = self.ckpt_saved
+        what = "the best model" if not cfg["always_save_checkpoint"] else "the last model"
+        print(f"checkpoint: {self.ckpt_path} ({what}: iter {it}"
+              + (f", val {val:.4f})" if val is not None else ")") + f"; sample from it: {sample}")
 
 
 def main(argv):

@@ -49,8 +49,8 @@ def test_bench_prints_every_kernel_and_mode(capsys, monkeypatch, tiny_steps):
     out = capsys.readouterr().out
     saved = dict(zip(RESIDUALS, saved, strict=True))
     assert set(RESIDUALS) <= set(times) and all(t > 0 for t in times.values())
-    for name in ("rms_norm", "nag_update", "depth_attention"):
-        assert f"| {name} | eager |" in out
+    for name in ("rms_norm", "nag_update", "depth_attention", "mhc_pre_mix", "sinkhorn", "hc_post_mix"):
+        assert f"| {name} | eager |" in out  # all six kernels (hc/mhc's three were left out)
     for residual in RESIDUALS:
         assert f"| {residual} |" in out
     # the model table: each mode's ratio is its own step time over prenorm's, and its saved activations
@@ -231,3 +231,56 @@ def test_baseline_model_is_nanogpts():
     torch.manual_seed(0)
     loss = model(torch.randint(0, 65, (2, 64)), torch.randint(0, 65, (2, 64)))
     assert abs(loss.item() - torch.log(torch.tensor(65.0)).item()) < 0.3  # small init: near-uniform logits
+
+
+def fake_clock(durations):
+    """A stand-in for bench's time module: each perf_counter() pair that brackets a timed call measures the
+    next of `durations` (cycled)."""
+    state = {"t": 0.0, "calls": 0}
+
+    def perf_counter():
+        state["calls"] += 1
+        if state["calls"] % 2 == 0:  # the call that ends a measurement
+            state["t"] += durations[(state["calls"] // 2 - 1) % len(durations)]
+        return state["t"]
+    return types.SimpleNamespace(perf_counter=perf_counter, time=time.time)
+
+
+@pytest.mark.parametrize("durations, warning", [
+    ([1.0], None),  # whole seconds: exact in floating point, so equal measurements tie exactly
+    ([1.0, 1.0, 9.0, 1.0, 5.0], "12 measurement(s) unsteady (worst: rms_norm eager forward: its repeats "
+                                      "spread by 400% of their median)"),
+    ([2.0] * 5 + [1.0] * 5, "6 measurement(s) unsteady (worst: rms_norm eager: the forward alone took 2.0x its "
+                              "forward+backward)"),
+], ids=["quiet", "spread", "forward-slower"])
+def test_bench_kernels_times_all_six_and_warns_when_loaded(capsys, monkeypatch, durations, warning):
+    """--section=kernels times every kernel of kernels.py (the real calls, a stubbed clock): one eager row
+    each, forward and forward+backward. Under load it once printed a 24 ms forward beside a 0.46 ms
+    forward+backward: repeats that spread by more than half their median, or a forward slower than its
+    forward+backward, now end the output with a warning that the machine is loaded; steady repeats print none."""
+    monkeypatch.setattr(bench, "time", fake_clock(durations))
+    bench.main(["--section=kernels", "--reps=5", "--compile=False", "--device=cpu"])
+    out = capsys.readouterr().out
+    names = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "| eager |" in line]
+    assert names == ["rms_norm", "nag_update", "depth_attention", "mhc_pre_mix", "sinkhorn", "hc_post_mix"]
+    if warning is None:
+        assert "warning" not in out
+    else:
+        assert out.strip().splitlines()[-1] == (f"warning: the machine looks loaded: {warning}, so these figures are "
+                                                f"unreliable; rerun on a quiet machine (or with more --reps)")
+
+
+def test_bench_sample_missing_checkpoint_names_the_out_dir():
+    """bench.py reads a trained run: no checkpoint asks for its --out_dir, not for --init_from=scratch."""
+    with pytest.raises(ConfigError) as e:
+        bench.main(["--section=sample", "--device=cpu", "--out_dir=/nonexistent-run"])
+    assert "pass --out_dir=DIR" in str(e.value) and "init_from" not in str(e.value)
+
+
+def test_the_quickstart_time_is_the_readmes():
+    """docs/experiments.md gave its own quickstart time (3.6 min) beside the README's: the page now points to
+    the README, the one place with the quiet machine's time, and states no minutes of its own."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "experiments.md").read_text()
+    run = text.split("**The quickstart run.**")[1].split("\n\n")[0]
+    assert not re.search(r"\d+(\.\d+)? ?min", run), run
+    assert "[README](../README.md)" in run and "quiet machine" in run

@@ -1,6 +1,7 @@
 """plot.py on hand-written log.jsonl files: each subcommand writes a PNG of the data in the log; routing
 on tiny MoD checkpoints."""
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ from configurator import ConfigError
 from tiny_checkpoint import BLOCK, make_checkpoint
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+REPO = Path(__file__).resolve().parents[1]
 
 # two layers = four sublayers + the head, as train.py --diagnose=True logs them
 NAG = [{"sublayer": 1, "kind": "attn", "rms": 1.0, "alpha": 0.9, "m": 0.5, "angle": 0.4, "update": 0.5},
@@ -361,3 +363,113 @@ def test_routing_errors(mod_ckpts, tmp_path):
                         (["loss", str(root / "nag"), "--text=hi"], "apply to routing, not loss")):
         with pytest.raises(ConfigError, match=match):
             plot.main(argv)
+
+
+# -----------------------------------------------------------------------------
+# colours, axis labels, where figures go, the baseline rule (shared with flops.py results)
+
+def line_colours(ax):
+    """{label: colour} of an axes' labelled lines."""
+    from matplotlib.colors import to_rgb
+    return {l.get_label(): to_rgb(l.get_color()) for l in ax.lines if not l.get_label().startswith("_")}
+
+
+def test_each_mode_has_one_colour_in_every_figure(runs, tmp_path):
+    """hc and mhc used to take the colour cycle's next colours, prenorm's and sandwich's (and in the stream
+    panels the first run's colour whatever its mode): each mode now has its own colour, whatever the order
+    of the runs, in every panel of depth and in loss; no two modes share one."""
+    mhc, hc = write_run(tmp_path, "mhc", "mhc", MHC), write_run(tmp_path, "hc", "hc", MHC)
+    sandwich = write_run(tmp_path, "sandwich", "sandwich", PRENORM)
+    order = [mhc, runs["prenorm"], hc, sandwich, runs["nag"]]
+    seen = {}
+    for dirs in (order, order[::-1]):
+        fig = plot.main(["depth", *dirs, f"--out={tmp_path / 'd.png'}"])
+        for ax in fig.axes:
+            for label, colour in line_colours(ax).items():
+                seen.setdefault(label.split(",")[0], set()).add(colour)
+        loss = plot.main(["loss", *dirs, f"--out={tmp_path / 'l.png'}"])
+        for label, colour in line_colours(loss.axes[0]).items():
+            seen.setdefault(label.split(",")[0], set()).add(colour)
+    assert set(seen) == {"mhc", "hc", "prenorm", "sandwich", "nag"}
+    assert all(len(colours) == 1 for colours in seen.values()), seen  # one colour per mode, everywhere
+    assert len({next(iter(c)) for c in seen.values()}) == 5  # and no two modes alike
+    from model import RESIDUALS  # every registered mode has a colour of its own
+    assert len(set(plot.mode_colours([[{"residual": r}] for r in RESIDUALS]))) == len(RESIDUALS)
+    # two runs of one mode: the second is the same hue, lighter
+    fig = plot.main(["depth", runs["prenorm"], write_run(tmp_path, "prenorm2", "prenorm", PRENORM), f"--out={tmp_path / 'p.png'}"])
+    first, second = (tuple(l.get_color()) for l in fig.axes[0].lines)
+    assert first != second and all(b >= a for a, b in zip(first, second))
+
+
+def test_only_panels_with_the_head_say_so(runs, tmp_path):
+    """'(last point ...: the head)' labelled every panel; the update panel has no head point (the head makes no
+    update): only the panels whose curves end at the head say so."""
+    fig = plot.main(["depth", write_run(tmp_path, "mhc", "mhc", MHC), runs["prenorm"], f"--out={tmp_path / 'd.png'}"])
+    rms, upd, gain, cos = fig.axes
+    assert rms.get_xlabel() == gain.get_xlabel() == cos.get_xlabel() == "sublayer (last point: the head)"
+    assert upd.get_xlabel() == "sublayer"
+
+
+def test_figures_go_beside_their_runs(runs, tmp_path, tmp_path_factory, monkeypatch, capsys):
+    """Without --out a figure went to the current folder (the repo root): now one run's goes into its
+    out_dir, several runs' into their common folder, or under out/ when that folder holds the current one."""
+    elsewhere = tmp_path_factory.mktemp("cwd")
+    monkeypatch.chdir(elsewhere)
+    plot.main(["weights", runs["attnres"]])
+    assert_png(Path(runs["attnres"]) / "weights.png")
+    plot.main(["depth", runs["nag"], runs["prenorm"]])
+    assert_png(tmp_path / "depth.png")
+    assert not list(elsewhere.iterdir())
+    monkeypatch.chdir(tmp_path)  # the runs' folder is the current one: under out/
+    plot.main(["loss", runs["nag"], runs["prenorm"]])
+    assert_png(tmp_path / "out" / "loss.png")
+    assert capsys.readouterr().out.splitlines()[-1] == os.path.join("out", "loss.png")
+    assert (Path(REPO) / ".gitignore").read_text().splitlines().count("wandb/") == 1  # W&B's folder is not committed
+
+
+def test_routing_table_goes_beside_its_run(mod_ckpts, tmp_path_factory, monkeypatch):
+    root = mod_ckpts[0]
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+    plot.main(["routing", str(root / "nag"), "--batches=1"])
+    assert_png(root / "nag" / "routing.png")
+    assert (root / "nag" / "routing.md").read_text().startswith("Over 1 val batches")
+
+
+def test_table_and_flops_results_pick_the_same_baseline(tmp_path, capsys):
+    """plot.py table took the alphabetically first cell of a depth as the baseline (attnres here), while
+    flops.py results took the sweep's first (prenorm): both now take prenorm where there is one (a MoD
+    prenorm cell is not the reference), else the depth's first cell."""
+    import csv
+
+    import flops
+    losses = {"attnres_L2": [2.60, 2.62, 2.61], "nag_L2": [2.50, 2.52, 2.55], "prenorm_L2": [2.70, 2.69, 2.72],
+              "prenorm_L2_router0.25": [2.65, 2.66, 2.60]}
+    dirs = []
+    for cell, vals in losses.items():
+        for seed, v in enumerate(vals, 1):
+            d = write_run(tmp_path, f"{cell}_s{seed}", cell.split("_")[0], PRENORM)
+            log = Path(d) / "log.jsonl"
+            mod = ', "exec_train": [1.0, 0.75, 1.0, 0.75]' if "router" in cell else ""
+            log.write_text(log.read_text().replace('"val_loss": 2.7', f'"val_loss": {v}{mod}'))
+            dirs.append(d)
+    text = plot.main(["table", *sorted(dirs)])
+    per_cell = [[c.strip() for c in line.split("|")[1:-1]] for line in text.split("Per cell")[1].splitlines()
+                if line.startswith("| ") and "---" not in line][1:]
+    assert {row[0]: row[7] for row in per_cell} == dict.fromkeys(losses, "prenorm_L2")
+    path = tmp_path / "results.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, flops.FIELDS)
+        w.writeheader()
+        for cell in sorted(losses):
+            for seed, v in enumerate(losses[cell], 1):
+                router = "router" in cell
+                w.writerow({"run": f"{cell}_s{seed}", "cell": cell, "seed": seed, "residual": cell.split("_")[0],
+                            "n_layer": 2, "mod": "router" if router else "", "mod_rate": 0.25 if router else 0.0,
+                            "args": "", "status": "done", "iters": 10, "val_loss": v, "seconds": 1.0})
+    text = flops.main(["results", str(path)])
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in
+            text.split("against a baseline cell")[1].split("Every run")[0].splitlines() if line.startswith("| ")]
+    rows = [row for row in rows if row[0] in losses]
+    assert {row[0]: row[1] for row in rows} == {c: "prenorm_L2" for c in losses if c != "prenorm_L2"}
+    for row in rows:  # the same test of the same losses in both tables
+        assert row[2:6] == run_config.significance_cells(losses[row[0]], losses["prenorm_L2"])

@@ -115,7 +115,7 @@ def test_ddp_sigterm_all_ranks_stop_rank_0_saves_and_resume_works(data_dir, tmp_
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     p, stdout, stderr = signal_after_iter_2([*torchrun, "train.py", *args], signal.SIGTERM)
     assert p.returncode != 0
-    assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"]  # rank 0 alone wrote
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "config.json", "log.jsonl"]  # rank 0 alone wrote
     lines = [x for x in stderr.splitlines() if "Resume with: " in x]
     assert len(lines) == 1 and "interrupted by SIGTERM" in lines[0], stderr[-3000:]  # printed by rank 0 only
     cmd = shlex.split(lines[0].split("Resume with: ")[1])
@@ -434,8 +434,8 @@ FAILED_STARTS = {  # a configuration that fails, of each kind: its overrides of 
 @pytest.mark.parametrize("case", FAILED_STARTS)
 def test_a_failed_start_leaves_out_dir_as_it_was(case, data_dir, tmp_path, in_process, monkeypatch):
     """Every check comes before out_dir is touched: a start from scratch that fails, for any reason, in
-    an out_dir that holds an earlier run leaves every file there as it was (nothing moved to ckpt_prev.pt:
-    its one slot would lose a model at the second failed start) and raises a one-line ConfigError."""
+    an out_dir that holds an earlier run leaves every file there as it was (nothing moved into a folder of
+    its own) and raises a one-line ConfigError."""
     overrides, message = FAILED_STARTS[case]
     out = tmp_path / "out"
     out.mkdir()

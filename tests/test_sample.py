@@ -11,7 +11,7 @@ import torch
 import sample
 import run_config
 from configurator import ConfigError
-from model import GPT, GPTConfig
+from model import GPT, routing
 from tiny_checkpoint import BLOCK, make_checkpoint
 from triton_cpu import triton_on_cpu
 
@@ -32,7 +32,7 @@ def run_sample(out_dir, capsys, *extra):
     return capsys.readouterr()
 
 
-SKIP_LINE = re.compile(r"^skip rate per sublayer: ((?:(?:attn|mlp)\d+ [01]\.\d\d ?)+) \(mean ([01]\.\d{3})\)$", re.M)
+SKIP_LINE = re.compile(r"^skip rate per new token, per sublayer: ((?:(?:attn|mlp)\d+ [01]\.\d\d ?)+) \(mean ([01]\.\d{3})\)$", re.M)
 
 
 def test_mod_checkpoint_prints_tokens_per_s_and_skip_rates(mod_ckpt, capsys):
@@ -48,16 +48,28 @@ def test_mod_checkpoint_prints_tokens_per_s_and_skip_rates(mod_ckpt, capsys):
     assert out.out.count("ROMEO:") == 2
 
 
-def test_skip_rates_match_generate_stats(mod_ckpt, capsys):
-    """The printed rates are 1 - executed / tokens of GPT.generate's own counts, summed over the samples."""
-    out = run_sample(mod_ckpt, capsys, "--temperature=0", "--num_samples=1")
+def test_skip_rates_are_per_new_token_with_and_without_the_cache(mod_ckpt, capsys):
+    """The printed rate of a sublayer is the fraction of the new tokens whose position sampled from (the
+    prompt's last, then each new token) skipped it: recomputed here by model.routing() on the whole text,
+    position by position (eval routing is causal). --kv_cache=False recomputes the context every step, and
+    used to count those recomputed tokens too (a different rate for the same text); within block_size both
+    now print this same line."""
+    prompt, n_new = "ROMEO:", 20  # 6 + 20 tokens: within BLOCK
+    outs = {kv: run_sample(mod_ckpt, capsys, "--temperature=0", "--num_samples=1", f"--kv_cache={kv}")
+            for kv in (True, False)}
     ckpt = run_config.load_checkpoint(str(mod_ckpt / "ckpt.pt"), torch.device("cpu"))
-    model = GPT(GPTConfig(**ckpt["model_args"]))
-    model.load_state_dict(ckpt["model"])
+    model = run_config.model_from_checkpoint(ckpt, torch.device("cpu"))
     encode, _ = run_config.load_codec(ckpt)
-    model.eval().generate(torch.tensor([encode("ROMEO:")]), 20, temperature=0)
-    stats = model.generate_stats
-    assert sample.skip_rate_line(stats["executed"], stats["tokens"]) in out.err
+    text = outs[True].out.split("\n---------------\n")[0]
+    assert text == outs[False].out.split("\n---------------\n")[0] and len(text) == len(prompt) + n_new
+    ids = torch.tensor([encode(text)])
+    with torch.no_grad():
+        ran, _ = routing(model, ids[:, :-1])  # [2L, 1, T]: the last new token is sampled, never run
+    sampled_from = ran[:, 0, len(prompt) - 1:]  # the positions the 20 new tokens were sampled from
+    assert sampled_from.shape[1] == n_new and 0 < sampled_from.float().mean() < 1
+    want = sample.skip_rate_line(sampled_from.sum(1).tolist(), n_new)
+    for kv, out in outs.items():
+        assert want in out.err.splitlines(), (kv, want, out.err)
 
 
 def test_kv_cache_and_recompute_sample_the_same_text_within_block_size(mod_ckpt, capsys):
@@ -146,3 +158,38 @@ def test_compile_is_refused_with_a_clear_error(mod_ckpt, capsys):
     with pytest.raises(ConfigError, match="no longer takes --compile=True.*drop --compile"):
         run_sample(mod_ckpt, capsys, "--compile=True")
     assert "tokens/s" in run_sample(mod_ckpt, capsys, "--compile=False").err
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("--top_k=0", "top_k must be a whole number >= 1 or None (all tokens), got 0"),
+    ("--top_k=-3", "top_k must be a whole number >= 1 or None"),
+    ("--temperature=-1", "temperature must be a number >= 0 (0: greedy, 1: the model's distribution), got -1"),
+    ("--max_new_tokens=-5", "max_new_tokens must be a whole number >= 1, got -5"),
+    ("--num_samples=0", "num_samples must be a whole number >= 1, got 0"),
+])
+def test_bad_sampling_values_are_one_line_errors(mod_ckpt, capsys, arg, message):
+    """--top_k=0 used to be an IndexError inside generate(); a negative temperature or token count and no
+    samples ran silently (printing nothing, or nonsense). Each is one line naming the key and a value that
+    works, before the checkpoint is read."""
+    with pytest.raises(ConfigError) as e:
+        run_sample(mod_ckpt, capsys, arg)
+    assert message in str(e.value) and "(e.g. --" in str(e.value) and "\n" not in str(e.value)
+    assert capsys.readouterr().out == ""
+
+
+def test_a_missing_checkpoint_names_the_out_dir_to_pass(tmp_path, capsys):
+    """sample.py reads a trained run: no checkpoint asks for the run's --out_dir, not for
+    --init_from=scratch (train.py's fix, which sample.py does not take)."""
+    with pytest.raises(ConfigError) as e:
+        run_sample(tmp_path, capsys)
+    assert str(e.value).startswith(f"no checkpoint at {tmp_path / 'ckpt.pt'}: pass --out_dir=DIR")
+    assert "init_from" not in str(e.value)
+
+
+def test_kernels_triton_on_a_cpu_is_said(mod_ckpt, capsys):
+    """--kernels=triton on a CPU runs the ops' CPU implementations (the reference): stderr says so, and the
+    text is the reference's."""
+    triton = run_sample(mod_ckpt, capsys, "--temperature=0", "--num_samples=1", "--max_new_tokens=4", "--kernels=triton")
+    assert run_config.KERNELS_ON_CPU in triton.err
+    torch_ = run_sample(mod_ckpt, capsys, "--temperature=0", "--num_samples=1", "--max_new_tokens=4", "--kernels=torch")
+    assert run_config.KERNELS_ON_CPU not in torch_.err and torch_.out == triton.out

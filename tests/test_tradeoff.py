@@ -157,3 +157,24 @@ def test_quantile_with_ties_skips_the_fraction_nearest_q(scores, q, tau, skipped
 def test_bad_options(arg, needle, dense):
     with pytest.raises(ConfigError, match=needle):
         tradeoff.main([f"--out_dir={dense[0]}", arg])
+
+
+def test_a_router_checkpoint_gets_the_fix_that_fits_it(data_dir, tmp_path):
+    """A mod=router model routes by its own trained router: the error says so and points to what reads its
+    routing (sample.py's skip rate, plot.py routing); it used to tell such a model to train with --mod=router."""
+    make_checkpoint(tmp_path / "router", data_dir, steps=1, mod="router", mod_rate=0.5, mod_inference="threshold")
+    with pytest.raises(ConfigError) as e:
+        run(tmp_path / "router")
+    message = str(e.value)
+    assert "is a mod=router model" in message and "its own trained router" in message
+    assert f"python sample.py --out_dir={tmp_path / 'router'}" in message
+    assert f"python plot.py routing {tmp_path / 'router'}" in message
+    assert "--mod=router" not in message and "\n" not in message
+
+
+def test_a_missing_checkpoint_names_the_out_dir_to_pass(tmp_path):
+    """tradeoff.py reads a trained run: no checkpoint asks for its --out_dir, not for --init_from=scratch."""
+    with pytest.raises(ConfigError) as e:
+        run(tmp_path)
+    assert str(e.value).startswith(f"no checkpoint at {tmp_path / 'ckpt.pt'}: pass --out_dir=DIR")
+    assert "init_from" not in str(e.value)

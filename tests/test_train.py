@@ -432,7 +432,7 @@ def test_ddp_matches_single_process(base_run, data_dir, tmp_path):
     r = run([*torchrun, *args, "--init_from=resume"])
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     assert "resuming from" in r.stdout and "iter 4" in r.stdout
-    assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"]  # written by rank 0 alone
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "config.json", "log.jsonl"]  # written by rank 0 alone
     ddp, single = read_log(out), read_log(base_run)
     assert [x["iter"] for x in ddp] == [x["iter"] for x in single] == [0, 2, 4, 6, 8]
     for a, b in zip(ddp, single):
@@ -566,12 +566,14 @@ def test_gradient_accumulation_averages_the_micro_batches(data_dir):
 # 6. a fresh start keeps the previous run
 
 def test_scratch_run_keeps_previous_checkpoint(base_run, data_dir, tmp_path, in_process):
+    """The earlier run's files move, as they were, into a folder of their own (tests/test_runs.py: every
+    earlier run is kept, in a folder named by its start)."""
     out = tmp_path / "out"
     shutil.copytree(base_run, out)
-    old_ckpt, old_log = (out / "ckpt.pt").read_bytes(), (out / "log.jsonl").read_text()
+    old = {name: (out / name).read_bytes() for name in ("ckpt.pt", "log.jsonl", "config.json")}
     in_process(tiny_args(data_dir, out, max_iters=2, gradient_accumulation_steps=1))
-    assert (out / "ckpt_prev.pt").read_bytes() == old_ckpt
-    assert (out / "log_prev.jsonl").read_text() == old_log
+    (folder,) = [p for p in out.iterdir() if p.is_dir()]
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == old
     assert [r["iter"] for r in read_log(out)] == [0, 2]  # a new log, not appended to the old one
     assert load_ckpt(out)["iter_num"] == 2
 
@@ -917,7 +919,7 @@ def test_train_py_is_mode_agnostic():
     assert not named, named
 
 
-def test_resume_keeps_the_budget(data_dir, tmp_path, in_process, monkeypatch):
+def test_resume_keeps_the_budget(data_dir, tmp_path, in_process, monkeypatch, capsys):
     """On resume the run's length comes from the checkpoint unless argv sets it: a finished --max_flops
     run resumed without the flag ends where its budget does (tiny_args' max_iters=8 changes nothing), and
     a max_iters run resumed without --max_iters where it did (not at DEFAULTS' 600000): no step, out_dir
@@ -932,7 +934,11 @@ def test_resume_keeps_the_budget(data_dir, tmp_path, in_process, monkeypatch):
     in_process(tiny_args(data_dir, iters_run, max_iters=2))
     before = {p: p.read_bytes() for d in (budget_run, iters_run) for p in sorted(d.iterdir())}
     del steps[:]
+    capsys.readouterr()
     in_process(tiny_args(data_dir, budget_run, init_from="resume"))
+    assert (f"is finished: it is at iter 4, max_iters=4, so there is nothing to train. Its budget "
+            f"(max_flops={budget:g}) is spent and a resume keeps it: train a larger one in another --out_dir"
+            in capsys.readouterr().out)
     in_process([a for a in tiny_args(data_dir, iters_run, init_from="resume") if not a.startswith("--max_iters=")])
     assert not steps and {p: p.read_bytes() for d in (budget_run, iters_run) for p in sorted(d.iterdir())} == before
     with pytest.raises(ConfigError, match=rf"has max_flops={re.escape(repr(budget))}, not .*drop --max_flops"):
