@@ -3,6 +3,7 @@ FLOP accounting, MFU and iso-FLOP sweeps (README: "FLOPs and iso-FLOP sweeps").
 
     python flops.py config/shakespeare_char_cpu.py --n_layer=8 --budget=3e15   # breakdown; what a budget buys
     python flops.py sweep config/sweep_shakespeare_cpu.py                     # train.py runs at one budget
+    python flops.py results docs/sweep_mod_cpu.csv                            # a sweep's tables again, from its CSV
 
 Convention. FLOPs count a multiply-add as 2 and are per token of the training sequence (T = block_size):
 - attention sublayer: 2*4*d^2 (q, k, v and output projections) + 2*2*T*d (scores QK^T and the
@@ -13,6 +14,8 @@ Convention. FLOPs count a multiply-add as 2 and are per token of the training se
 - extras per mode: each residual mode and MoD mode states the FLOPs it adds beyond the backbone
   (its flops(config) in model.py: nag's modulator 2*C*d + 2*C (its channel mix) per sublayer; AttnRes 4*d per source a
   sublayer or the head mixes, mat-vecs, plus 2*d^2 per mixing point with attnres_query=input;
+  hc and mhc (n streams) hc_mix, hc_read, hc_write per sublayer, hc_dynamic's coefficients, mhc's
+  coefficient projection mhc_proj and its Sinkhorn steps mhc_sinkhorn (docs/flops.md has each term);
   mod=router 2*d per router and its predictor MLP, only with mod_rate > 0; skip_middle's gate
   producers 2*d for each of the first L/2 blocks). A mode that states none is an error, never a
   silent prenorm count. Norms, softmaxes, RoPE and the NAG write-back are not counted.
@@ -100,6 +103,8 @@ def forward_flops(config, exec_frac=None):
         "mlp": 2 * 8 * d * d * sum(mlp),
         "head": 2 * d * config.padded_vocab_size,
     }
+    if config.value_residual != "none":  # (1 - lam) v + lam v_1 in every attention sublayer after the first
+        out["value_residual"] = 3 * d * sum(attn[1:])
     own = mode_flops(config)
     routed = {name for cls in modes(config) for name in cls.routed_flops}
     return {**out, **{k: v * sum(f) / n if k in routed else v for k, v in own.items()}}
@@ -233,7 +238,7 @@ SWEEP_DEFAULTS = dict(
     #           e.g. ("nag_L16_sqrt_d", {"residual": "nag", "n_layer": 16, "nag_head": "sqrt_d"})
     seeds=[],  # [] one run per cell with the train config's seed; [1, 2, 3] one run per seed, <cell>_s<seed>
     jobs=1,  # train.py processes at a time (on CPU with OMP_NUM_THREADS=1: one per core)
-    baseline=None,  # results.md tests every cell against this cell (Welch); None: the first cell of its depth
+    baseline=None,  # results.md tests every cell against this cell (Welch); None: its depth's prenorm cell, else first
 )
 FIELDS = ["run", "cell", "seed", "residual", "n_layer", "mod", "mod_rate", "args", "status", "iters", "tokens",
           "flops", "params", "train_flops_per_token", "exec_train", "exec_eval", "eval_flops_per_token", "val_loss",
@@ -247,6 +252,10 @@ def sweep_cells(sw):
     """(cell name, {train.py key: value}) of every cell: the dense grid, each mod_run at every depth,
     then the named runs."""
     cells = [(f"{r}_L{L}", {"residual": r, "n_layer": L}) for r in sw["residuals"] for L in sw["depths"]]
+    for item in sw["mod_runs"]:
+        if not (isinstance(item, (tuple, list)) and len(item) == 3):
+            raise ConfigError(f"each entry of mod_runs must be (residual, mod, mod_rate), e.g. ('nag', 'nag', 0.25), "
+                              f"got {item!r}")
     for r, mod, rate in sw["mod_runs"]:
         cells += [(f"{r}_L{L}_{mod}{rate}", {"residual": r, "n_layer": L, "mod": mod, "mod_rate": rate})
                   for L in sw["depths"]]
@@ -315,7 +324,9 @@ def run_row(run, cfg, out_dir, status):
 
 
 def run_sweep(argv):
-    sw = configure(argv, SWEEP_DEFAULTS, [(__file__, "SWEEP_DEFAULTS")])
+    sw = configure(argv, SWEEP_DEFAULTS, [(__file__, "SWEEP_DEFAULTS")],
+                   "flops.py sweep: train.py runs of a sweep config's cells at one budget each, then results.csv, "
+                   ".md and .png; it needs a sweep config, e.g. python flops.py sweep config/sweep_shakespeare_cpu.py")
     if sw["budget_seconds"] is not None:  # an equal-time sweep: budget's default (FLOPs) gives way, a set one clashes
         if isinstance(sw["budget_seconds"], bool) or not isinstance(sw["budget_seconds"], (int, float)) \
                 or not sw["budget_seconds"] > 0:
@@ -481,29 +492,35 @@ def check_baseline(baseline, cells):
 
 
 def baselines(cells, baseline=None):
-    """{cell: the cell it is tested against}: `baseline`, else the first cell of the same depth."""
-    first = {}
-    for c in cells:
-        first.setdefault(c["n_layer"], c["cell"])
-    return {c["cell"]: baseline or first[c["n_layer"]] for c in cells}
+    """{cell: the cell it is tested against}: run_config.pick_baselines, the rule of plot.py's table too:
+    `baseline`, else the prenorm cell of the same depth (no MoD, no other keys), else that depth's first cell."""
+    return run_config.pick_baselines([(c["cell"], c["n_layer"], c["residual"] == "prenorm" and not c.get("mod")
+                                       and not c.get("args")) for c in cells], baseline)
 
 
 def significance_lines(cells, baseline=None):
     """Markdown: each cell's final val loss against its baseline cell (run_config.significance_cells)."""
     losses = {c["cell"]: c["losses"] for c in cells}
     paces = {c["cell"]: c["s_per_iter"] for c in cells}
-    lines = ["", "Final val loss against a baseline cell (the sweep's `baseline`, else the first cell of the same "
-             "depth): difference of means, its 95% CI, Welch's t-test (* p < 0.05), the seeds per cell that "
+    lines = ["", "Final val loss against a baseline cell (the sweep's `baseline`, else the prenorm cell of the "
+             "same depth, else its first cell): difference of means, its 95% CI, Welch's t-test (* p < 0.05), the seeds per cell that "
              "would make the observed difference significant at 80% power, and the cell's median seconds per "
              "iteration over the baseline's, measured in this sweep (a results.csv without s_per_iter: wall time over "
              "iterations, evals included):", "",
              "| cell | baseline | " + " | ".join(run_config.SIGNIFICANCE_HEADER) + " | s/iter vs baseline |",
              "|" + "---|" * 7]
-    for cell, base in baselines(cells, baseline).items():
-        if cell != base:
-            ratio = f"{paces[cell] / paces[base]:.2f}x" if paces[cell] and paces[base] else "-"
-            lines.append(f"| {cell} | {base} | " + " | ".join(run_config.significance_cells(losses[cell], losses[base]))
-                         + f" | {ratio} |")
+    pairs = {cell: base for cell, base in baselines(cells, baseline).items() if cell != base}
+    if not pairs:  # one cell per depth and no baseline named: say so rather than print an empty table
+        depths = sorted({c["n_layer"] for c in cells})
+        return lines[:2] + [f"No comparison: every cell is the only one of its depth ({', '.join(map(str, depths))} "
+                            f"layers), so each is its own baseline. Read this CSV together with the CSV of the cells "
+                            f"to compare with (several are read as one sweep), e.g. python flops.py results "
+                            f"docs/sweep_shakespeare_cpu.csv docs/sweep_shakespeare_mhc_cpu.csv, or name a baseline "
+                            f"cell (--baseline=CELL; a sweep config's baseline)."]
+    for cell, base in pairs.items():
+        ratio = f"{paces[cell] / paces[base]:.2f}x" if paces[cell] and paces[base] else "-"
+        lines.append(f"| {cell} | {base} | " + " | ".join(run_config.significance_cells(losses[cell], losses[base]))
+                     + f" | {ratio} |")
     return lines
 
 
@@ -556,7 +573,7 @@ def results_markdown(rows, cells, what, baseline=None):
 
 
 RESULTS_DEFAULTS = dict(
-    baseline=None,  # the cell every other cell is tested against; None: the first cell of its depth
+    baseline=None,  # the cell every other cell is tested against; None: its depth's prenorm cell, else its first
 )
 
 
@@ -575,7 +592,9 @@ def results(argv):
     the CSVs alone (the run folders are not needed), printed. Several CSVs are read as one sweep, so a
     cell run later (a sweep of its own) is tested against the cells of an earlier one."""
     files = [a for a in argv if not a.startswith("-")]
-    cfg = configure([a for a in argv if a.startswith("-")], RESULTS_DEFAULTS, [(__file__, "RESULTS_DEFAULTS")])
+    cfg = configure([a for a in argv if a.startswith("-")], RESULTS_DEFAULTS, [(__file__, "RESULTS_DEFAULTS")],
+                    "flops.py results: a sweep's tables again, from one or more results.csv (read as one sweep), "
+                    "e.g. python flops.py results docs/sweep_mod_cpu.csv")
     if not files:
         raise ConfigError("flops.py results takes one or more results.csv, e.g. python flops.py results "
                           "docs/sweep_mod_cpu.csv")
@@ -644,7 +663,19 @@ def plot_results(cells, budget, path):
     plt.close(fig)  # written after every finished run: pyplot would keep each figure alive otherwise
 
 
+COMMANDS = """flops.py: FLOP counts and iso-FLOP sweeps, three commands:
+    python flops.py [config/x.py ...] [--key=value ...]       FLOPs per token by component, params, what --budget buys (keys below)
+    python flops.py sweep config/sweep_<name>.py [--key=value]  train.py runs at one FLOP budget, results.csv/.md/.png (python flops.py sweep --help: its keys)
+    python flops.py results out/<sweep>/results.csv ...        a sweep's tables again from its CSVs (python flops.py results --help: its keys)"""
+
+
 def main(argv):
+    if ("--help" in argv or "-h" in argv) and argv[:1] not in (["sweep"], ["results"]):
+        print(COMMANDS)  # the commands; configure then lists the breakdown's keys and exits
+    if argv and not argv[0].startswith("-") and argv[0] not in ("sweep", "results") and "=" not in argv[0] \
+            and not os.path.exists(argv[0]):
+        raise ConfigError(f"'{argv[0]}' is neither a command (sweep, results) nor a config file; "
+                          f"python flops.py --help lists the commands")
     if argv[:1] == ["results"]:
         return results(argv[1:])
     if argv[:1] == ["sweep"]:

@@ -9,6 +9,7 @@ fused ops it uses), then Mixture-of-Depths, then the attention extras MoD and ge
 README.md's "The residual modes" and "Mixture-of-Depths" say what each mode is for.
 """
 
+import itertools
 import math
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Optional
@@ -36,6 +37,7 @@ class GPTConfig:
     mod: str = "none"  # Mixture-of-Depths: a name in MODS (--help lists them)
     mod_rate: float = 0.0  # target fraction of (token, sublayer) pairs that skip the sublayer
     kernels: str = "auto"  # auto (Triton on CUDA tensors) | triton | torch: see kernels.py
+    value_residual: str = "none"  # none | half: v <- (v + v_1)/2 after the first attention (ResFormer) | learned: (1-lam) v + lam v_1, lam 0.5 at init
 
     def __post_init__(self):
         # one-line errors that name the fix; called again by GPT() after any field edits
@@ -52,6 +54,11 @@ class GPTConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if not 0.0 <= self.mod_rate < 1.0:
             raise ValueError(f"mod_rate must be in [0, 1), got {self.mod_rate}")
+        if self.value_residual not in VALUE_RESIDUALS:
+            raise ValueError(f"unknown value_residual {self.value_residual!r}; valid: {', '.join(VALUE_RESIDUALS)}")
+        if self.value_residual != "none" and self.mod != "none":
+            raise ValueError(f"value_residual={self.value_residual} needs every token to run the first attention "
+                             f"sublayer, whose values the later ones mix in: use mod=none or value_residual=none")
         check_modes(self)  # the modes and their options, from the modes' own declarations (end of file)
 
     @property
@@ -124,22 +131,46 @@ class RotateComplex(torch.autograd.Function):
         return torch.view_as_real(pairs * (c.conj() if conj else c)).flatten(-2).type_as(x)
 
 
+VALUE_RESIDUALS = ("none", "half", "learned")
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, first=False):
         super().__init__()
         self.n_head = config.n_head
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
+        # value_residual (ResFormer, Zhou et al., arXiv 2410.17897): the first attention sublayer hands its
+        # raw values v_1 on; every later one attends with (1 - lam) v + lam v_1, lam = 1/2 (half, the
+        # official code), or a learned scalar from 1/2 (learned, modded-nanogpt's records of Nov 2024)
+        self.value_residual, self.first = config.value_residual, first
+        if self.value_residual == "learned" and not first:
+            self.value_lambda = nn.Parameter(torch.tensor(0.5))
 
-    def forward(self, x, rope, visibility=None):
-        """x [B, T, C] in order. visibility (MoD and generation, see Visibility): which keys each
-        query sees beyond causality, and the KV cache; None: plain causal attention."""
-        B, T, C = x.size()
-        qk, v = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).split((2, 1), dim=2)
+    def forward(self, x, rope, visibility=None, values=None):
+        """x [B, T, C] in order, or a tuple of three (query, key and value inputs: a residual mode's
+        per-way read). visibility (MoD and generation, see Visibility): which keys each
+        query sees beyond causality, and the KV cache; None: plain causal attention. values: a dict
+        that carries v_1 from the first attention sublayer to the others (value_residual)."""
+        if isinstance(x, tuple):  # a per-way read (mudd): the query, key and value inputs apart
+            (B, T, C), (xq, xk, xv) = x[0].size(), x
+            qk = torch.stack([F.linear(xi, w) for xi, w in zip((xq, xk), self.c_attn.weight.split(C))], 2)
+            qk, v = qk.view(B, T, 2, self.n_head, C // self.n_head), F.linear(xv, self.c_attn.weight[2 * C:])
+            v = v.view(B, T, 1, self.n_head, C // self.n_head)
+        else:
+            B, T, C = x.size()
+            qk, v = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).split((2, 1), dim=2)
         q, k = apply_rope(qk, rope).unbind(2)  # q and k rotated together: one op instead of two
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.squeeze(2).transpose(1, 2)  # [B, nh, T, hd]
+        v = v.squeeze(2)  # [B, T, nh, hd], no RoPE on values
+        if self.value_residual != "none":
+            if self.first:
+                values["v1"] = v
+            else:
+                lam = self.value_lambda.to(v.dtype) if self.value_residual == "learned" else 0.5
+                v = (1 - lam) * v + lam * values["v1"]  # what the KV cache keeps, too
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, nh, T, hd]
         mask, causal = None, True
         if visibility is not None:
             k, v, mask, causal = visibility.keys(k, v)
@@ -169,7 +200,9 @@ class Residual(nn.Module):
     back, what the LM head reads. GPT calls (l = 0..2L-1 is the sublayer, state the stream: a tensor,
     or whatever the mode keeps):
       embed(e) -> state                   the stream from the token embedding e
-      read(state, l) -> x                 what sublayer l takes as input
+      read(state, l) -> x                 what sublayer l takes as input; for an attention sublayer it
+                                          may be a tuple (query, key, value inputs: mudd's per-way read,
+                                          without MoD); every other mode reads one tensor
       write(state, l, out) -> state       sublayer l's output written back
       head(state, lm_head) -> logits
       write_kept(state, l, out, route)    Mixture-of-Depths: the write of a sublayer that ran only the
@@ -181,10 +214,13 @@ class Residual(nn.Module):
     and it declares, next to its code:
       options        its GPTConfig keys: name=default, or name=(valid values, the default first)
       mods           the MoD modes it works with (besides none)
-      ops            the fused custom ops (nanodepth::...) its forward uses
+      ops            the fused custom ops (nanodepth::...) its forward uses (an option that drops one
+                     sets the instance's own: mhc_res=birkhoff has no Sinkhorn)
       embed_std      the token embedding's init std
+      scaled_init    whether the sublayers' output projections get GPT-2's scaled init (True)
       starts_as      the mode whose logits it gives at init, with the same backbone weights and its
-                     default options ("prenorm"), or None; a generic test holds it to that
+                     default options ("prenorm"), or None; a generic test holds it to that (an option
+                     that changes it sets the instance's own: prenorm's norm_scaling)
       flops(config)  the forward FLOPs per token it adds beyond the backbone, by name; every registered
                      class defines its own (flops.py refuses to guess); vector_flops names the terms
                      that are not matmuls, routed_flops the terms spent only on the tokens a sublayer
@@ -195,6 +231,8 @@ class Residual(nn.Module):
                      refuses to guess), [] when the rule for norms and scalars covers them
       decay_parameters()  its parameters of 2 or more dimensions that are projections and decay like
                      a Linear's weight; any other such parameter must be in one of the two lists
+      lr_groups()    [(parameters, lr_scale), ...]: parameters trained at lr_scale times the run's
+                     LR, without weight decay ([] : all at the run's LR)
     The rules a mode keeps, each held by a generic test (tests/test_new_mode.py, tests/test_mod.py):
       - MoD: a token that skips sublayer l keeps its stream bit for bit. write_kept leaves the skipped
         tokens exactly as skip() leaves every token, and skip() changes nothing the state already
@@ -209,6 +247,7 @@ class Residual(nn.Module):
     each optimizer step, describe() for train.py's banner.
     A new mode is a subclass and one line in RESIDUALS."""
     options, mods, ops, vector_flops, routed_flops, embed_std, starts_as = {}, (), (), (), (), 0.02, None
+    scaled_init = True  # GPT-2's init of the sublayers' output projections, std 0.02 / sqrt(2L)
 
     @staticmethod
     def check(config):
@@ -218,6 +257,9 @@ class Residual(nn.Module):
         return []
 
     def decay_parameters(self):
+        return []
+
+    def lr_groups(self):
         return []
 
     def set_warmup(self, scale):
@@ -249,12 +291,18 @@ class Residual(nn.Module):
 
 
 class PreNorm(Residual):
-    """nanoGPT's baseline: x = x + f(RMSNorm(x)); the head reads RMSNorm(x)."""
+    """nanoGPT's baseline: x = x + f(RMSNorm(x)); the head reads RMSNorm(x).
+    norm_scaling=True: LayerNorm Scaling (Sun et al., arXiv 2502.05795; lmsdss/LayerNorm-Scaling): both
+    sublayers of layer i = 1..L read RMSNorm(x) / sqrt(i) (the head's norm is not scaled), and, as the
+    paper does, the output projections get the plain init, not GPT-2's scaled one (scaled_init)."""
+    options = dict(
+        norm_scaling=False,  # prenorm: LayerNorm Scaling, layer i's pre-norms times 1/sqrt(i), no scaled init
+    )
     mods, ops, starts_as = ("router",), ("rms_norm",), "prenorm"
 
     @staticmethod
     def flops(config):
-        return {}  # norms are not counted
+        return {}  # norms are not counted (norm_scaling folds its 1/sqrt(i) into the norm's weight)
 
     def no_decay_parameters(self):
         return []  # norms only
@@ -263,12 +311,19 @@ class PreNorm(Residual):
         super().__init__()
         self.norms = nn.ModuleList(RMSNorm(config.n_embd, config.kernels) for _ in range(config.n_sublayers))
         self.norm_f = RMSNorm(config.n_embd, config.kernels)
+        scaling = config.norm_scaling
+        self.scales = [1.0 / math.sqrt(l // 2 + 1) for l in range(config.n_sublayers)] if scaling else None
+        self.scaled_init = not scaling
+        self.starts_as = None if scaling else type(self).starts_as  # scaled reads are not prenorm's
 
     def embed(self, e):
         return e
 
     def read(self, x, l):
-        return self.norms[l](x)
+        if self.scales is None:
+            return self.norms[l](x)
+        norm = self.norms[l]  # the scale on the norm's weight: the same function, no pass over x of its own
+        return rms_norm(x, norm.weight * self.scales[l], norm.eps, impl=norm.impl)
 
     def delta(self, l, out):
         return out
@@ -297,16 +352,16 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         # sublayers l = 0..2L-1 alternate attention and MLP (the README numbers them 1..2L)
         self.sublayers = nn.ModuleList(
-            CausalSelfAttention(config) if l % 2 == 0 else MLP(config) for l in range(config.n_sublayers))
+            CausalSelfAttention(config, first=l == 0) if l % 2 == 0 else MLP(config) for l in range(config.n_sublayers))
         self.stream = RESIDUALS[config.residual](config)
         self.mod = MODS[config.mod](config) if MODS[config.mod] else None
         self.lm_head = nn.Linear(d, V, bias=False)
         self.register_buffer("rope", rope_table(d // config.n_head, config.block_size), persistent=False)
 
         self.apply(self._init_weights)
-        # scaled init of each sublayer's output projection (GPT-2 / nanoGPT)
+        # scaled init of each sublayer's output projection (GPT-2 / nanoGPT), unless the mode drops it
         for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
+            if self.stream.scaled_init and name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(config.n_sublayers))
 
     def _init_weights(self, module):
@@ -367,12 +422,14 @@ class GPT(nn.Module):
         if l % 2:
             return self.sublayers[l](x)
         pos, cache = ctx["pos"], ctx["caches"] and ctx["caches"][l]
-        rope = self.rope[pos:pos + x.size(1)] if route is None or route.idx is None else self.rope[pos + route.idx]
-        return self.sublayers[l](x, rope, Visibility.of(route, cache))
+        T = (x[0] if isinstance(x, tuple) else x).size(1)  # a per-way read is a tuple (mudd)
+        rope = self.rope[pos:pos + T] if route is None or route.idx is None else self.rope[pos + route.idx]
+        return self.sublayers[l](x, rope, Visibility.of(route, cache), ctx)
 
     def _context(self, tokens, update_tau=False, pos=0, caches=None):
         """What one forward pass carries besides the stream: the first position (generation),
-        the KV caches, routing state, and the tokens each sublayer ran (executed)."""
+        the KV caches, routing state, the tokens each sublayer ran (executed), and the first attention
+        sublayer's values (v1, value_residual)."""
         return {"tokens": tokens, "pos": pos, "caches": caches, "update_tau": update_tau,
                 "executed": [tokens] * len(self.sublayers)}
 
@@ -413,28 +470,31 @@ class GPT(nn.Module):
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, gate_lr_scale=1.0, gate_decay=False):
         # weight decay on matrices and embeddings (>= 2-D); none on norms, gains and scalars, nor on what
-        # a mode lists in no_decay_parameters(). gate_lr_scale != 1 (a mode with gate_parameters(), nag):
-        # the gates get a group of their own, without decay, whose "lr_scale" train.py multiplies the
-        # scheduled LR by; gate_decay=True decays the gates' matrices (an ablation)
+        # a mode lists in no_decay_parameters(). Groups of their own, without decay, whose "lr_scale" train.py
+        # multiplies the scheduled LR by: the mode's lr_groups() (scalars' multipliers), and with
+        # gate_lr_scale != 1 the gates of a mode with gate_parameters() (nag); gate_decay=True decays the
+        # gates' matrices (an ablation)
         if (gate_lr_scale != 1.0 or gate_decay) and not hasattr(self.stream, "gate_parameters"):
             raise ValueError(f"gate_lr_scale={gate_lr_scale}, gate_decay={gate_decay} only apply to residual=nag")
         if gate_lr_scale != 1.0 and gate_decay:
             raise ValueError("gate_decay=True needs gate_lr_scale=1: the gate group has no decay")
-        gates = self.stream.gate_parameters() if gate_lr_scale != 1.0 else []
+        own = [(self.stream.gate_parameters(), gate_lr_scale)] if gate_lr_scale != 1.0 else []
+        own += self.stream.lr_groups()
+        apart = {id(p) for params, _ in own for p in params}
         parts = [part for part in (self.stream, self.mod) if part is not None]
         for part in parts:
             check_decay_declared(part)
         exempt = {id(p) for part in parts for p in part.no_decay_parameters()}
         if gate_decay:
             exempt -= {id(p) for p in self.stream.gate_parameters()}
-        params = [p for p in self.parameters() if p.requires_grad and all(p is not g for g in gates)]
+        params = [p for p in self.parameters() if p.requires_grad and id(p) not in apart]
         decay = [p for p in params if p.dim() >= 2 and id(p) not in exempt]
         no_decay = [p for p in params if p.dim() < 2 or id(p) in exempt]
         groups = [{"params": decay, "weight_decay": weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
-        if gates:
-            groups.append({"params": gates, "weight_decay": 0.0, "lr": learning_rate * gate_lr_scale,
-                           "lr_scale": gate_lr_scale})
+        for params, scale in own:
+            groups.append({"params": list(params), "weight_decay": 0.0, "lr": learning_rate * scale,
+                           "lr_scale": scale})
         # fused on every device (CPU too): the fastest AdamW, and the one that can skip a step on the
         # device when handed found_inf (train.py's non-finite-step skip)
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
@@ -537,7 +597,7 @@ def _last_position(state):
 class Sandwich(PreNorm):
     """peri-LN: the embedding and every sublayer output are normalised too:
     x0 = RMSNorm(e); x = x + RMSNorm_post(f(RMSNorm_pre(x)))."""
-    mods, starts_as = ("router", "skip_middle"), None
+    options, mods, starts_as = {}, ("router", "skip_middle"), None  # no norm_scaling: prenorm's alone
 
     @staticmethod
     def flops(config):
@@ -863,6 +923,312 @@ class BlockAttnRes(AttnRes):
         return f" in {sum(self.ends)} blocks of {self.layers_per_block(self.config)} layer(s)"
 
 
+class DenseFormer(Residual):
+    """DenseFormer (Pagliardini et al., arXiv 2402.02622; epfml/DenseFormer): a prenorm stream, and after
+    block i (i = 1..L, a block is a layer: attention then MLP) a depth-weighted average (DWA) of the
+    outputs so far, x <- sum_j alpha[i, j] X_j, where X_0 is the embedding and X_j the stream leaving
+    block j before its own DWA. dwa_dilation k: the average after block i takes only the X_j with
+    j = i mod k; dwa_period p: a DWA follows every p-th block only (the paper's k x p-DenseFormer).
+    alpha [L/p, L+1], one row per DWA (row r follows block (r+1)p), starts as the identity, weight 1 on
+    X_i and 0 elsewhere: the model starts as prenorm. The weights outside a row's group are never read.
+    The state is [x, [X_0, X_1, ...]]. The DWA is part of a block's last write: under MoD a token that
+    skips the MLP keeps its stream (its X_i is its x) and is not averaged."""
+    options = dict(
+        dwa_dilation=1,  # dwa: k, a DWA after block i mixes the X_j with j = i mod k (1: every output; the paper's default)
+        dwa_period=1,  # dwa: p, a DWA after every p-th block only (1: after every block; the paper's default)
+        dwa_decay=False,  # dwa: weight decay on alpha (True: the reference, whose alphas are Linear weights)
+    )
+    mods, ops, starts_as = ("router",), ("rms_norm",), "prenorm"
+    vector_flops = ("dwa",)  # weighted sums of whole outputs: broadcasts, not matmuls
+
+    @staticmethod
+    def check(config):
+        for name in ("dwa_dilation", "dwa_period"):
+            value = getattr(config, name)
+            if not (type(value) is int and 1 <= value <= config.n_layer):
+                raise ValueError(f"{name} must be an integer in [1, n_layer = {config.n_layer}] (1: the paper's "
+                                 f"default), got {value!r}")
+        if config.dwa_decay not in (True, False):
+            raise ValueError(f"dwa_decay must be True or False, got {config.dwa_decay!r}")
+
+    @staticmethod
+    def groups(config):
+        """Per block i = 1..L: the j it averages over (j = i mod k, j <= i), or None (no DWA after it)."""
+        k, p = config.dwa_dilation, config.dwa_period
+        return [list(range(i % k, i + 1, k)) if i % p == 0 else None for i in range(1, config.n_layer + 1)]
+
+    @classmethod
+    def flops(cls, config):
+        # a multiply and an add per element of each output averaged
+        return {"dwa": 2 * config.n_embd * sum(len(g) for g in cls.groups(config) if g)}
+
+    def __init__(self, config):
+        super().__init__()
+        L, d, p = config.n_layer, config.n_embd, config.dwa_period
+        self.norms = nn.ModuleList(RMSNorm(d, config.kernels) for _ in range(config.n_sublayers))
+        self.norm_f = RMSNorm(d, config.kernels)
+        self.group = self.groups(config)
+        self.row = [i // p - 1 if g else None for i, g in enumerate(self.group, 1)]  # block i's row of alpha
+        self.alpha = nn.Parameter(torch.zeros(L // p, L + 1))
+        with torch.no_grad():
+            for i, r in enumerate(self.row, 1):
+                if r is not None:
+                    self.alpha[r, i] = 1.0
+        self.decay, self.shape = config.dwa_decay, (config.dwa_dilation, config.dwa_period)
+
+    def no_decay_parameters(self):
+        return [] if self.decay else [self.alpha]
+
+    def decay_parameters(self):
+        return [self.alpha] if self.decay else []
+
+    def describe(self):
+        k, p = self.shape
+        return ", a DWA after every block" if (k, p) == (1, 1) else f", {k}x{p}-DenseFormer (dilation {k}, period {p})"
+
+    def embed(self, e):
+        return [e, [e]]
+
+    def read(self, state, l):
+        return self.norms[l](state[0])
+
+    def average(self, outputs, i):
+        """The DWA after block i over its group of outputs (None: block i has none)."""
+        if self.group[i - 1] is None:
+            return None
+        w = self.alpha[self.row[i - 1]].to(outputs[0].dtype)
+        return sum(w[j] * outputs[j] for j in self.group[i - 1])  # no stacked copy of the outputs is saved
+
+    def write(self, state, l, out):
+        x = state[0] + out
+        if l % 2 == 0:
+            return [x, state[1]]
+        outputs = state[1] + [x]
+        mixed = self.average(outputs, l // 2 + 1)
+        return [x if mixed is None else mixed, outputs]
+
+    def write_kept(self, state, l, out, route):
+        x = route.scatter_add(state[0], route.weigh(out))
+        if l % 2 == 0:
+            return [x, state[1]]
+        outputs = state[1] + [x]
+        mixed = self.average(outputs, l // 2 + 1)
+        if mixed is not None:  # a token that skipped the MLP keeps its stream
+            x = torch.where(route.ran(*x.shape[:2], x.device).unsqueeze(-1), mixed, x)
+        return [x, outputs]
+
+    def skip(self, state, l):
+        return state if l % 2 == 0 else [state[0], state[1] + [state[0]]]  # X_i is still recorded
+
+    def head(self, state, lm_head):
+        return lm_head(self.norm_f(state[0]))
+
+    def value(self, state, l):
+        return state[0]
+
+    def tokens(self, state):
+        return [state[0], *state[1]]
+
+    def stats(self, state, l):
+        """Sublayer l = 2i (and the head, l = 2L) reads the DWA after block i: its weights over X_0..X_i
+        ("depth_weights", 0 outside its group), as for attnres."""
+        i = l // 2
+        if l % 2 or i == 0 or self.group[i - 1] is None:
+            return {}
+        w = torch.zeros(i + 1)
+        for j in self.group[i - 1]:
+            w[j] = self.alpha[self.row[i - 1], j].item()
+        return {"depth_weights": w.tolist()}
+
+
+class ResidualScalars(PreNorm):
+    """Learned residual scalars with an x0 lane (nanochat's gpt.py and dev/LOG.md of 2026-01-11, from
+    modded-nanogpt's embed shortcut of Nov 2024): the stream starts as x0 = RMSNorm(e) (no weight), and
+    block i = 0..L-1 takes x <- lam_i x + beta_i x0 as its residual and its attention's input, then runs as
+    prenorm's: x <- x + f(RMSNorm(x)) for its attention and MLP. Init (scalars_init): nanochat's, lam_i
+    from 1.15 down to 1.05 and beta_i from 0.20 down to 0.05 linearly over depth, or modded-nanogpt's
+    (1, 0). The multipliers lam train at scalars_lr_scale times the run's LR (nanochat: 1/100 of
+    beta's; a multiplier compounds over depth), beta at the run's LR; neither decays. The state is
+    [x, x0, y], y the scaled stream read() makes for the attention's write."""
+    options = dict(
+        scalars_init=("nanochat", "modded"),  # scalars: lam, beta from nanochat's depth ramps | modded: 1 and 0
+        scalars_lr_scale=0.01,  # scalars: the multipliers lam at this times the run's LR (nanochat: 0.01)
+    )
+    mods, ops, starts_as = ("router",), ("rms_norm",), None
+    vector_flops = ("scalars",)
+
+    @staticmethod
+    def check(config):
+        scale = config.scalars_lr_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+            raise ValueError(f"scalars_lr_scale must be a number > 0 (nanochat: 0.01), got {scale!r}")
+
+    @staticmethod
+    def flops(config):
+        return {"scalars": 3 * config.n_embd * config.n_layer}  # lam x + beta x0 before each block
+
+    def no_decay_parameters(self):
+        return []  # lam and beta are vectors
+
+    def __init__(self, config):
+        nn.Module.__init__(self)
+        L = config.n_layer
+        self.norms = nn.ModuleList(RMSNorm(config.n_embd, config.kernels) for _ in range(config.n_sublayers))
+        self.norm_f = RMSNorm(config.n_embd, config.kernels)
+        self.scales, self.scaled_init, self.impl = None, True, config.kernels
+        depth = torch.arange(L) / max(L - 1, 1)
+        nanochat = config.scalars_init == "nanochat"
+        self.lam = nn.Parameter(1.15 - 0.10 * depth if nanochat else torch.ones(L))
+        self.beta = nn.Parameter(0.20 - 0.15 * depth if nanochat else torch.zeros(L))
+        self.lr_scale = config.scalars_lr_scale
+
+    def lr_groups(self):
+        return [([self.lam], self.lr_scale)]
+
+    def embed(self, e):
+        x0 = rms_norm(e, impl=self.impl)
+        return [x0, x0, None]
+
+    def read(self, state, l):
+        x = state[0]
+        if l % 2 == 0:  # the block's residual: lam x + beta x0, kept for the attention's write
+            i = l // 2
+            x = state[2] = self.lam[i].to(x.dtype) * x + self.beta[i].to(x.dtype) * state[1]
+        return self.norms[l](x)
+
+    def write(self, state, l, out):
+        return [(state[2] if l % 2 == 0 else state[0]) + out, state[1], None]
+
+    def write_kept(self, state, l, out, route):
+        """A token that skips the attention keeps its stream: the scaling is part of that sublayer's write."""
+        x = state[0]
+        if l % 2:
+            return [route.scatter_add(x, route.weigh(out)), state[1], None]
+        ran = route.ran(*x.shape[:2], x.device).unsqueeze(-1)
+        return [torch.where(ran, route.scatter_add(state[2], route.weigh(out)), x), state[1], None]
+
+    def skip(self, state, l):
+        return [state[0], state[1], None]  # the scaled stream read() kept is dropped
+
+    def head(self, state, lm_head):
+        return lm_head(self.norm_f(state[0]))
+
+    def value(self, state, l):
+        return state[0]
+
+    def tokens(self, state):
+        return state[:2]
+
+    def stats(self, state, l):
+        if l % 2 or l >= len(self.norms):
+            return {}
+        return {"lam": self.lam[l // 2].item(), "beta": self.beta[l // 2].item()}
+
+
+class MUDD(Residual):
+    """MUDDFormer (Xiao et al., arXiv 2502.12170; Caiyun-AI/MUDDFormer, pytorch/muddformer/
+    modeling_muddformer.py, and the init of its JAX training code): a multiway dynamic dense connection
+    after every block i = 0..L-1 over the embedding X_0 and every block output so far, X_0..X_{i+1}. Its
+    weights come per token from the newest output: dw = W2 GELU(W1 RMSNorm(X_{i+1})) (RMSNorm without a
+    weight) plus static weights, [ways, i+2], no softmax. Each way c mixes x_c = sum_j dw[c, j] X_j: with
+    mudd_ways=4 the next block's attention reads its query, key and value from three separately normed
+    ways (a per-way read) and the fourth is its residual; the last block has one way, the head's input.
+    mudd_ways=1 keeps the residual way only (the next block reads it as prenorm does). Inside a block it
+    is prenorm: h = x_r + attn(...), X_{i+1} = h + MLP(RMSNorm(h)). The hidden width of W1 is
+    (ways (i+2) // 64 + 1) * 64, four times the ways for the last block's (the released model's
+    round64 and expand_last). Init (the JAX code): W1 normal with std 1/sqrt(d), W2 = 0, static weight 1
+    on the newest output and 0 elsewhere: every way is X_{i+1}, the model starts as prenorm.
+    The state is [x, outputs, ways]: the residual way, X_0..X_i, and the next attention's (q, k, v) inputs."""
+    options = dict(
+        mudd_ways=(4, 1),  # mudd: 4: query, key, value and residual ways (the paper's) | 1: the residual way only
+    )
+    mods, ops, starts_as = (), ("rms_norm",), "prenorm"
+    vector_flops = ("mudd_mix",)
+
+    @staticmethod
+    def shapes(config):
+        """Per block i: (ways C, sources i + 2, W1's hidden width)."""
+        L, ways = config.n_layer, config.mudd_ways
+        out = []
+        for i in range(L):
+            C = ways if i < L - 1 else 1
+            hidden = C * (i + 2) * (4 if i == L - 1 else 1)
+            out.append((C, i + 2, (hidden // 64 + 1) * 64))
+        return out
+
+    @classmethod
+    def flops(cls, config):
+        d, shapes = config.n_embd, cls.shapes(config)
+        return {"mudd_proj": sum(2 * d * h + 2 * h * C * n for C, n, h in shapes),  # W1, W2 per token
+                "mudd_mix": sum(2 * C * n * d for C, n, h in shapes)}  # sum_j dw[c, j] X_j per way
+
+    def __init__(self, config):
+        super().__init__()
+        d, L = config.n_embd, config.n_layer
+        self.norms = nn.ModuleList(RMSNorm(d, config.kernels) for _ in range(config.n_sublayers))  # the query way's
+        self.norm_f = RMSNorm(d, config.kernels)
+        self.ways = config.mudd_ways
+        if self.ways == 4:  # blocks 1..L-1: the key and value ways' own pre-norms
+            self.key_norms = nn.ModuleList(RMSNorm(d, config.kernels) for _ in range(L - 1))
+            self.value_norms = nn.ModuleList(RMSNorm(d, config.kernels) for _ in range(L - 1))
+        shapes = self.shapes(config)
+        self.w1 = nn.ParameterList(nn.Parameter(torch.randn(h, d) / math.sqrt(d)) for C, n, h in shapes)
+        self.w2 = nn.ParameterList(nn.Parameter(torch.zeros(C * n, h)) for C, n, h in shapes)
+        self.static = nn.ParameterList(nn.Parameter(F.one_hot(torch.tensor(n - 1), n).float().repeat(C, 1))
+                                       for C, n, h in shapes)
+        self.impl = config.kernels
+
+    def no_decay_parameters(self):
+        return list(self.static)  # the static weights, as any mixing weights
+
+    def decay_parameters(self):
+        return [*self.w1, *self.w2]  # projections of the newest output
+
+    def embed(self, e):
+        return [e, [e], None]
+
+    def read(self, state, l):
+        x, ways = state[0], state[2]
+        if l % 2 or ways is None:
+            return self.norms[l](x)
+        i = l // 2
+        return self.norms[l](ways[0]), self.key_norms[i - 1](ways[1]), self.value_norms[i - 1](ways[2])
+
+    def weights(self, x, i):
+        """dw [..., C, i + 2] of block i's connection, from its output x."""
+        C, n = self.static[i].shape
+        h = F.gelu(F.linear(rms_norm(x, impl=self.impl), self.w1[i].to(x.dtype)))
+        return F.linear(h, self.w2[i].to(x.dtype)).unflatten(-1, (C, n)) + self.static[i].to(x.dtype)
+
+    def write(self, state, l, out):
+        x = state[0] + out
+        if l % 2 == 0:
+            return [x, state[1], None]
+        i = l // 2
+        outputs = state[1] + [x]
+        dw = self.weights(x, i)
+        mixed = [sum(dw[..., c, j, None] * X for j, X in enumerate(outputs)) for c in range(dw.size(-2))]
+        return [mixed[-1], outputs, tuple(mixed[:3]) if len(mixed) == 4 else None]
+
+    def head(self, state, lm_head):
+        return lm_head(self.norm_f(state[0]))
+
+    def value(self, state, l):
+        return state[0]
+
+    def tokens(self, state):
+        return [state[0], *state[1], *(state[2] or ())]
+
+    def stats(self, state, l):
+        """Sublayer l = 2i (and the head, l = 2L) reads block i-1's connection: its residual way's weights
+        over X_0..X_i ("depth_weights", mean over tokens), as for attnres."""
+        i = l // 2
+        if l % 2 or i == 0:
+            return {}
+        outputs = state[1]
+        return {"depth_weights": self.weights(outputs[-1], i - 1)[..., -1, :].float().flatten(0, -2).mean(0).tolist()}
+
+
 class HyperConnections(Residual):
     """Hyper-connections (Zhu et al., arXiv 2409.19606, Algorithm 2 of App. J): the stream is n copies
     X [..., n, d] (hc_streams); the embedding is copied into each. Sublayer l reads u = sum_m A_m[m] X_m
@@ -1023,9 +1389,10 @@ class MHC(HyperConnections):
         hc_streams=4,
         mhc_post_mult=2.0,  # mhc: H_post = sigmoid(.) * this: 2.0 (the paper) | 1.0 (the official code's default)
         mhc_sinkhorn_repeat=20,  # mhc: Sinkhorn iterations: 20 (the paper's t_max) | 10 (the official code's default)
+        mhc_res=("sinkhorn", "birkhoff"),  # mhc: H_res by Sinkhorn | birkhoff: mHC-lite, a softmax over the n! permutations
     )
     ops = ("rms_norm", "mhc_pre_mix", "sinkhorn", "hc_post_mix")
-    vector_flops = ("hc_read", "hc_write", "mhc_sinkhorn")
+    vector_flops = ("hc_read", "hc_write", "mhc_sinkhorn", "mhc_birkhoff_norm")
 
     @staticmethod
     def check(config):
@@ -1036,25 +1403,51 @@ class MHC(HyperConnections):
         if not (type(config.mhc_sinkhorn_repeat) is int and config.mhc_sinkhorn_repeat >= 1):
             raise ValueError(f"mhc_sinkhorn_repeat must be an integer >= 1 (20: the paper, 10: the official code), "
                              f"got {config.mhc_sinkhorn_repeat!r}")
+        if config.mhc_res == "birkhoff" and config.hc_streams > 6:
+            raise ValueError(f"mhc_res=birkhoff takes n! = {math.factorial(config.hc_streams)} logits per sublayer "
+                             f"at hc_streams={config.hc_streams}: use hc_streams <= 6 (mHC-lite's n = 4)")
+        if config.mhc_res == "birkhoff" and config.mhc_sinkhorn_repeat != 20:
+            raise ValueError("mhc_sinkhorn_repeat does nothing with mhc_res=birkhoff (no Sinkhorn): remove it")
 
     @staticmethod
-    def flops(config):
+    def res_size(config):
+        """The coefficients of H_res per sublayer: n^2 logits for Sinkhorn, n! for birkhoff."""
+        n = config.hc_streams
+        return math.factorial(n) if config.mhc_res == "birkhoff" else n * n
+
+    @classmethod
+    def flops(cls, config):
         n, d, L = config.hc_streams, config.n_embd, config.n_sublayers
-        K = n * (n + 2)
-        return {"hc_mix": 2 * n * n * d * L, "hc_write": 2 * n * d * L,
-                "hc_read": 2 * n * d * (L + 1),  # sum_m H_pre[m] X_m (fused with the coefficients), and the head's
-                "mhc_proj": 2 * n * d * (K * L + n),  # vec(X) phi^T per sublayer, and the head's
-                # per step of each sublayer's n x n Sinkhorn: a sum and a divide per entry
-                "mhc_sinkhorn": 2 * n * n * (2 * config.mhc_sinkhorn_repeat) * L}
+        K = 2 * n + cls.res_size(config)
+        out = {"hc_mix": 2 * n * n * d * L, "hc_write": 2 * n * d * L,
+               "hc_read": 2 * n * d * (L + 1),  # sum_m H_pre[m] X_m (fused with the coefficients), and the head's
+               "mhc_proj": 2 * n * d * (K * L + n)}  # vec(X) phi^T per sublayer, and the head's
+        if config.mhc_res == "birkhoff":
+            out["mhc_birkhoff"] = 2 * cls.res_size(config) * n * n * L  # the weights times the n! permutation matrices (a matmul)
+            out["mhc_birkhoff_norm"] = 2 * n * d * L  # the RMS of the streams its logits are scaled by
+        else:  # per step of each sublayer's n x n Sinkhorn: a sum and a divide per entry
+            out["mhc_sinkhorn"] = 2 * n * n * (2 * config.mhc_sinkhorn_repeat) * L
+        return out
 
     def init_mixing(self, config):
-        """phi, the scales and biases of each sublayer and of the head, at our init (class docstring)."""
+        """phi, the scales and biases of each sublayer and of the head, at our init (class docstring).
+        birkhoff: H_res's n! logits start as mHC-lite's (github.com/FFTYYY/mhc-lite): 0 for the identity
+        permutation, -8 for every other (H_res 0.99 on the diagonal for n = 4)."""
         n, d, L = config.hc_streams, config.n_embd, config.n_sublayers
-        K = n * (n + 2)
+        self.birkhoff = config.mhc_res == "birkhoff"
+        K = 2 * n + self.res_size(config)
         self.phi = nn.Parameter(torch.zeros(L, K, n * d))
         self.scale = nn.Parameter(torch.full((L, 3), 0.01))
         own = F.one_hot(torch.arange(L) % n, n).float()
-        self.base = nn.Parameter(torch.cat((4 * own - 2, torch.zeros(L, n), 2 * torch.eye(n).flatten().repeat(L, 1)), 1))
+        if self.birkhoff:  # itertools.permutations lists the identity first
+            self.ops = tuple(op for op in type(self).ops if op != "sinkhorn")
+            perms = torch.tensor(list(itertools.permutations(range(n))))
+            self.register_buffer("permutations", torch.eye(n)[perms].flatten(1), persistent=False)  # [n!, n^2]
+            res = torch.full((L, K - 2 * n), -8.0)
+            res[:, 0] = 0.0
+        else:
+            res = 2 * torch.eye(n).flatten().repeat(L, 1)
+        self.base = nn.Parameter(torch.cat((4 * own - 2, torch.zeros(L, n), res), 1))
         self.head_phi = nn.Parameter(torch.zeros(n, n * d))
         self.head_scale = nn.Parameter(torch.full((1,), 0.01))
         self.head_base = nn.Parameter(torch.zeros(n))
@@ -1068,9 +1461,28 @@ class MHC(HyperConnections):
 
     def mixes(self, X, l):
         """(u, h_post, h_res): the read and the coefficients, from one projection of the streams."""
-        u, post, res_logits = mhc_pre_mix(X, F.linear(X.flatten(-2), self.phi[l].to(X.dtype)), self.scale[l],
-                                          self.base[l], post_mult=self.post_mult, impl=self.impl)
+        proj = F.linear(X.flatten(-2), self.phi[l].to(X.dtype))
+        if self.birkhoff:
+            return self.birkhoff_mixes(X, proj, l)
+        u, post, res_logits = mhc_pre_mix(X, proj, self.scale[l], self.base[l], post_mult=self.post_mult,
+                                          impl=self.impl)
         return u, post, sinkhorn(res_logits, self.repeat, impl=self.impl)
+
+    def birkhoff_mixes(self, X, proj, l):
+        """mhc_res=birkhoff (mHC-lite, arXiv 2601.05732): H_res = sum_k softmax(c_res)_k P_k over the n!
+        permutation matrices P_k, doubly stochastic exactly, no iterations; c_res = scale_res * proj_res *
+        rsqrt(mean(vec(X)^2) + eps) + base_res, the same normalisation as the other coefficients. The read
+        and H_post come from the fused pre-mix with no H_res columns (zeros, discarded)."""
+        n = self.n
+        zeros = proj.new_zeros(*proj.shape[:-1], n * n)
+        u, post, _ = mhc_pre_mix(X, torch.cat((proj[..., :2 * n], zeros), -1), self.scale[l],
+                                 F.pad(self.base[l, :2 * n], (0, n * n)), post_mult=self.post_mult, impl=self.impl)
+        xf = upcast(X)
+        with fp32_math(xf):
+            rstd = torch.rsqrt(xf.square().mean((-2, -1)) + 1e-6).unsqueeze(-1)
+            logits = self.scale[l, 2] * upcast(proj[..., 2 * n:]) * rstd + self.base[l, 2 * n:]
+            h_res = torch.softmax(logits, -1) @ self.permutations.to(logits.dtype)
+        return u, post, h_res.unflatten(-1, (n, n))
 
     def read(self, state, l):
         u, post, res = self.mixes(state[0], l)
@@ -1096,6 +1508,9 @@ RESIDUALS = {
     "block_attnres": BlockAttnRes,
     "hc": HyperConnections,
     "mhc": MHC,
+    "dwa": DenseFormer,
+    "scalars": ResidualScalars,
+    "mudd": MUDD,
 }
 
 

@@ -11,6 +11,9 @@ Plot nanodepth runs from the log.jsonl that train.py appends to in each out_dir.
 The command comes first, then the runs' out_dirs, then --key=value options (the configurator's rules:
 unknown keys and wrong types are errors). depth and weights read the diagnostics that train.py logs
 only with --diagnose=True; routing runs a MoD checkpoint (out_dir/ckpt.pt) on the CPU.
+Without --out a figure goes beside its run: into the run's out_dir for one run (routing's table too,
+as routing.md), into the runs' common folder for several, or under out/ when that folder is the
+current one. Each residual mode has one colour in every figure; a second run of a mode is lighter.
 """
 
 import os
@@ -20,19 +23,20 @@ import matplotlib
 matplotlib.use("Agg")  # files only, so it runs on a headless box
 import matplotlib.pyplot as plt
 import numpy as np
-from matplotlib.colors import ListedColormap
+from matplotlib.colors import ListedColormap, to_rgb
 from matplotlib.ticker import MaxNLocator
 
 from configurator import ConfigError, configure
+from model import RESIDUALS
 from run_config import (EVAL_SEED, MISSING, SIGNIFICANCE_HEADER, get_batch, load_checkpoint, load_codec, load_log,
-                        mean_std, model_from_checkpoint, seed_cell, significance_cells)
+                        mean_std, model_from_checkpoint, pick_baselines, seed_cell, significance_cells)
 
 DEFAULTS = dict(
     iter=None,  # depth, weights: the eval at this iter (None: the last one with diagnostics)
-    out=None,  # the file written (None: <command>.png; table: print only; routing: its table goes to .md)
+    out=None,  # the file written (None: <command>.png beside the runs; table: print only; routing: its table goes to .md)
     text=None,  # routing: the passage drawn (None: the first block_size tokens of the val split)
     batches=20,  # routing: val batches (seed EVAL_SEED) the table of which tokens skip most counts over
-    baseline=None,  # table: the cell every sweep cell is tested against (None: the first cell of its depth)
+    baseline=None,  # table: the cell every sweep cell is tested against (None: its depth's prenorm cell, else first)
 )
 
 
@@ -47,6 +51,30 @@ def pick(records, out_dir, it=None):
         if r["iter"] == it:
             return r
     raise ConfigError(f"{out_dir} has no diagnostics at iter {it}; it has {[r['iter'] for r in diag]}")
+
+
+MODE_COLOURS = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
+                "tab:olive", "tab:cyan", "gold", "teal", "navy", "magenta", "lime", "black"]  # by RESIDUALS' order:
+# prenorm blue, sandwich orange, nag green, ...; gray is for a run whose mode is not logged
+
+
+def run_residual(records):
+    """The residual mode a run logged (train.py puts it in every eval record), or None."""
+    return next((r["residual"] for r in reversed(records) if "residual" in r), None)
+
+
+def mode_colours(records):
+    """A colour per run, the same for a mode in every figure: its residual's (gray when not logged);
+    a later run of a mode already drawn is lighter, so the runs of one mode stay apart."""
+    colours, seen = [], {}
+    for recs in records:
+        residual = run_residual(recs)
+        base = (MODE_COLOURS[list(RESIDUALS).index(residual) % len(MODE_COLOURS)] if residual in RESIDUALS
+                else "tab:gray")
+        k = seen[residual] = seen.get(residual, -1) + 1
+        mix = min(0.6, 0.3 * k)  # towards white
+        colours.append(tuple(1 - (1 - c) * (1 - mix) for c in to_rgb(base)))
+    return colours
 
 
 def labels(out_dirs, records):
@@ -68,17 +96,19 @@ def plot_depth(out_dirs, it=None):
     streams = any("stream_cos" in r for rows in picked for r in rows)
     fig, axes = plt.subplots(2 if streams else 1, 2, figsize=(11, 8.2 if streams else 4.2), squeeze=False)
     (ax_rms, ax_upd) = axes[0]
-    for rows, label in zip(picked, labels(out_dirs, runs)):
+    for rows, label, colour in zip(picked, labels(out_dirs, runs), mode_colours(runs)):
         if any("stream_cos" in r for r in rows):
             hc = [r for r in rows if "gain_fwd" in r]
-            line, = axes[1][0].plot([r["sublayer"] for r in hc], [r["gain_fwd"] for r in hc], marker="o", label=label)
-            axes[1][0].plot([r["sublayer"] for r in hc], [r["gain_bwd"] for r in hc], "--", color=line.get_color())
+            axes[1][0].plot([r["sublayer"] for r in hc], [r["gain_fwd"] for r in hc], marker="o", label=label,
+                            color=colour)
+            axes[1][0].plot([r["sublayer"] for r in hc], [r["gain_bwd"] for r in hc], "--", color=colour)
             cos = [r for r in rows if "stream_cos" in r]
-            axes[1][1].plot([r["sublayer"] for r in cos], [r["stream_cos"] for r in cos], marker="o", label=label)
+            axes[1][1].plot([r["sublayer"] for r in cos], [r["stream_cos"] for r in cos], marker="o", label=label,
+                            color=colour)
         # the head's row is the stream the head reads: part of the RMS curve, but it makes no update
-        ax_rms.plot([r["sublayer"] for r in rows], [r["rms"] for r in rows], marker="o", label=label)
+        ax_rms.plot([r["sublayer"] for r in rows], [r["rms"] for r in rows], marker="o", label=label, color=colour)
         upd = [r for r in rows if "update" in r]
-        ax_upd.plot([r["sublayer"] for r in upd], [r["update"] for r in upd], marker="o", label=label)
+        ax_upd.plot([r["sublayer"] for r in upd], [r["update"] for r in upd], marker="o", label=label, color=colour)
     ax_rms.set_yscale("log")  # modes differ by orders of magnitude in stream scale
     ax_rms.set_ylabel("RMS of the residual stream entering it")
     ax_upd.set_ylabel(r"relative update $\|x_{l+1} - x_l\| \,/\, \|x_l\|$")
@@ -87,8 +117,11 @@ def plot_depth(out_dirs, it=None):
         axes[1][0].set_title("solid: max row sum, dashed: max column sum", fontsize=9)
         axes[1][1].set_ylabel("mean cosine between the n streams")
         axes[1][1].legend(fontsize=8)
+    # a panel whose curves end with the head's row says so; the update panel has none (the head makes no update)
+    keys = {ax_rms: "rms", ax_upd: "update", **({axes[1][0]: "gain_fwd", axes[1][1]: "stream_cos"} if streams else {})}
     for ax in axes.flat:
-        ax.set_xlabel("sublayer (last point of RMS: the head)")
+        head = any(rows[-1].get("kind") == "head" and keys[ax] in rows[-1] for rows in picked)
+        ax.set_xlabel("sublayer" + (" (last point: the head)" if head else ""))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     ax_upd.legend()
@@ -102,7 +135,7 @@ def plot_weights(out_dir, it=None):
     rows = rec["diagnostics"]
     if not any("depth_weights" in r for r in rows):
         raise ConfigError(f"{out_dir} has no depth weights (residual={rec.get('residual')}; "
-                          "only attnres and block_attnres runs log them)")
+                          "only attnres, block_attnres and dwa runs log them)")
     # NaN where a sublayer does not attend that source (sublayer 1 reads the embedding directly)
     w = np.full((len(rows), max(len(r.get("depth_weights", [])) for r in rows)), np.nan)
     for i, r in enumerate(rows):
@@ -113,13 +146,16 @@ def plot_weights(out_dir, it=None):
     for i, j in zip(*np.nonzero(~np.isnan(w))) if w.size <= 200 else []:  # numbers while cells are readable
         ax.text(j, i, f"{w[i, j]:.2f}", ha="center", va="center", fontsize=7,
                 color="white" if w[i, j] < 0.6 * np.nanmax(w) else "black")
+    dwa = rec.get("residual") == "dwa"  # a row is the DWA that sublayer reads: after the block before it
     for i in np.nonzero(np.isnan(w).all(1))[0]:  # an empty row would look like missing data
-        ax.text((w.shape[1] - 1) / 2, i, "reads only the embedding", ha="center", va="center", fontsize=7,
-                color="dimgray")
+        ax.text((w.shape[1] - 1) / 2, i, "no DWA before it" if dwa else "reads only the embedding", ha="center",
+                va="center", fontsize=7, color="dimgray")
     ax.set_yticks(range(len(rows)), [f"{r['sublayer']} {r['kind']}" for r in rows])
     ax.set_xticks(range(w.shape[1]))
     if rec.get("residual") == "block_attnres":  # sources are blocks: finished ones, then the current one's sum
         ax.set_xlabel("source block (0 = embedding;\na mid-block row's last: its block so far)")
+    elif dwa:
+        ax.set_xlabel("block output averaged (0 = embedding)")
     else:
         ax.set_xlabel("source: sublayer output (0 = embedding)")
     ax.set_ylabel("sublayer")
@@ -132,12 +168,12 @@ def plot_weights(out_dir, it=None):
 def plot_loss(out_dirs):
     runs = [load_log(d) for d in out_dirs]
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for recs, label in zip(runs, labels(out_dirs, runs)):
+    for recs, label, colour in zip(runs, labels(out_dirs, runs), mode_colours(runs)):
         # iteration 0's loss is the untrained model's (ln vocab): it would squash the range that matters
         recs = [r for r in recs if r["iter"] > 0] or recs
         iters = [r["iter"] for r in recs]
-        (line,) = ax.plot(iters, [r["val_loss"] for r in recs], label=label)
-        ax.plot(iters, [r["train_loss"] for r in recs], "--", color=line.get_color())  # no legend entry: the y-label
+        ax.plot(iters, [r["val_loss"] for r in recs], label=label, color=colour)
+        ax.plot(iters, [r["train_loss"] for r in recs], "--", color=colour)  # no legend entry: the y-label
     ax.set_xlabel("iter (the eval at iteration 0 left out)")
     ax.set_ylabel("loss (solid: val, dashed: train)")
     ax.grid(alpha=0.3)
@@ -159,8 +195,11 @@ def run_figures(out_dir):
     rows = last["diagnostics"] if last else None
     gains = [r["gain"] for r in rows or [] if "gain" in r]
     paces = [r["ms_per_iter"] / 1000 for r in recs if r.get("ms_per_iter")]
-    return {"s_per_iter": float(np.median(paces)) if paces else None,"run": os.path.basename(os.path.normpath(out_dir)),
-            "residual": next((r["residual"] for r in reversed(recs) if "residual" in r), MISSING),
+    residual = run_residual(recs)
+    return {"s_per_iter": float(np.median(paces)) if paces else None, "run": os.path.basename(os.path.normpath(out_dir)),
+            "residual": residual or MISSING,
+            # the reference cell: prenorm without MoD (a MoD run logs its executed fractions)
+            "plain_prenorm": residual == "prenorm" and not any("exec_train" in r for r in recs),
             "sublayers": len(rows) - 1 if rows else None, "final": recs[-1]["val_loss"],
             "best": min(r["val_loss"] for r in recs),
             "growth1": rows[-1]["rms"] / rows[0]["rms"] if rows else None,
@@ -184,7 +223,8 @@ def mean_pm(values, spec):
 def table(out_dirs, baseline=None):
     """Markdown: a row per run (run_figures). Where runs are seeds of one sweep cell (`<cell>_s<seed>`), a
     second table gives each such cell's mean ± sample std over its seeds, its final val loss against a
-    baseline cell (`baseline`, else the first cell of the same depth): Welch's test
+    baseline cell (run_config.pick_baselines, as flops.py's tables: `baseline`, else the prenorm cell of
+    the same depth, else that depth's first cell): Welch's test
     (run_config.significance_cells), and its median seconds per iteration over the baseline's (their
     runs' median logged paces; comparable only for runs of one sweep, which share the machine alike).
     A run trained without --diagnose has its losses and MISSING for the rest."""
@@ -209,8 +249,10 @@ def table(out_dirs, baseline=None):
                   "| cell | seeds | final val | best val | RMS head / RMS sublayer 1 | RMS head / RMS sublayer 3 "
                   "| nag gates: mean \\|a\\|, dead | baseline | " + " | ".join(SIGNIFICANCE_HEADER)
                   + " | s/iter vs baseline |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        bases = pick_baselines([(c, rs[0]["sublayers"], all(r["plain_prenorm"] for r in rs)) for c, rs in cells.items()],
+                               baseline)
         for c, rs in cells.items():
-            base = baseline or next(b for b, bs in cells.items() if bs[0]["sublayers"] == rs[0]["sublayers"])
+            base = bases[c]
             vs = ([MISSING] * 4 if base == c else
                   significance_cells([r["final"] for r in rs], [r["final"] for r in cells[base]]))
             pace, base_pace = (None if None in p else float(np.median(p)) for p in
@@ -238,7 +280,7 @@ def routing(out_dir, text=None, batches=20):
     import torch
     from model import TopKMoD, routing as model_routing
     device = torch.device("cpu")
-    ckpt = load_checkpoint(os.path.join(out_dir, "ckpt.pt"), device)
+    ckpt = load_checkpoint(os.path.join(out_dir, "ckpt.pt"), device, reader=True)
     model = model_from_checkpoint(ckpt, device)
     config = model.config
     if config.mod not in ("nag", "router") or config.mod_rate == 0:
@@ -324,6 +366,19 @@ COMMANDS = {"depth": "residual RMS and relative update size vs sublayer",
             "routing": "which tokens of a passage ran which sublayer of a MoD checkpoint, and what skips most"}
 
 
+def default_out(cmd, out_dirs):
+    """Where a figure goes without --out: beside its runs. One run: its out_dir/<cmd>.png; several: their
+    common folder, or out/ when that folder is the current one or above it (the repo root is no place for
+    figures). The folder is made if needed."""
+    paths = [os.path.abspath(d) for d in out_dirs]
+    where = paths[0] if len(paths) == 1 else os.path.commonpath(paths)
+    here = os.path.abspath(os.getcwd())
+    if len(paths) > 1 and (where == here or here.startswith(where.rstrip(os.sep) + os.sep)):
+        where = os.path.join(here, "out")
+    os.makedirs(where, exist_ok=True)
+    return os.path.relpath(os.path.join(where, f"{cmd}.png"))
+
+
 def main(argv):
     """Draw, write the file, print its path; returns the Figure (table: the text), which the tests read."""
     if "--help" in argv or "-h" in argv:
@@ -360,16 +415,17 @@ def main(argv):
         fig = plot_depth(out_dirs, cfg["iter"])
     elif cmd == "weights":
         fig = plot_weights(out_dirs[0], cfg["iter"])
-    elif cmd == "routing":
+    elif cmd == "loss":
+        fig = plot_loss(out_dirs)
+    else:
         fig, text = routing(out_dirs[0], cfg["text"], cfg["batches"])
-        md = os.path.splitext(cfg["out"] or "routing.png")[0] + ".md"
+    out = cfg["out"] or default_out(cmd, out_dirs)  # after drawing: a run that fails leaves nothing behind
+    if cmd == "routing":
+        md = os.path.splitext(out)[0] + ".md"
         with open(md, "w") as f:
             f.write(text + "\n")
         print(text)
         print(md)
-    else:
-        fig = plot_loss(out_dirs)
-    out = cfg["out"] or f"{cmd}.png"
     fig.savefig(out, dpi=120)
     plt.close(fig)  # pyplot keeps every open figure alive otherwise
     print(out)

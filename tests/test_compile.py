@@ -20,7 +20,7 @@ def make_model(seed=0, **kw):
     3 iterations still trace the loop (20 only unroll it further). Sinkhorn itself is tested at 20 in
     test_kernels.py and test_hc.py, and under compile alone in test_hc_reference_autograd_functions_*."""
     torch.manual_seed(seed)
-    if kw.get("residual") == "mhc":
+    if kw.get("residual") == "mhc" and kw.get("mhc_res", "sinkhorn") == "sinkhorn":
         kw.setdefault("mhc_sinkhorn_repeat", 3)
     model = GPT(GPTConfig(**{**SHAPE, **kw}))
     model.stream.perturb(0.2, torch.Generator().manual_seed(seed))  # off init: every gain, query and mix matters
@@ -70,7 +70,13 @@ def loss_and_grads(model, run, idx):
     return logits, loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-CASES = {**{r: dict(residual=r) for r in RESIDUALS}, **{f"mod-{c}": kw for c, kw in MOD_CASES.items()}}
+VARIANTS = {  # options that change what a mode computes (tests/test_new_mode.py's VARIANTS)
+    "mhc-birkhoff": dict(residual="mhc", mhc_res="birkhoff"),
+    "dwa-2x2": dict(residual="dwa", dwa_dilation=2, dwa_period=2),
+    "prenorm-norm_scaling": dict(residual="prenorm", norm_scaling=True),
+    "prenorm-value_residual": dict(residual="prenorm", value_residual="learned"),
+}
+CASES = {**{r: dict(residual=r) for r in RESIDUALS}, **VARIANTS, **{f"mod-{c}": kw for c, kw in MOD_CASES.items()}}
 
 
 class AOTRecorder(Recorder):
@@ -96,7 +102,7 @@ def test_compiled_equals_eager(case, kernels):
     recorder = AOTRecorder()
     logits_c, loss_c, grads_c = loss_and_grads(model, torch.compile(model, backend=recorder, fullgraph=True), idx)
     assert len(recorder.graphs) == 1
-    assert recorder.ops() == (set(RESIDUALS[CASES[case]["residual"]].ops) if kernels == "triton" else set())
+    assert recorder.ops() == (set(model.stream.ops) if kernels == "triton" else set())
     torch.testing.assert_close(logits_c, logits_e, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-6, atol=0)
     assert grads_c.keys() == grads_e.keys()

@@ -642,3 +642,50 @@ def test_breakdown_names_the_padded_vocab_only_when_padded(data_dir, tmp_path, c
     assert "T=64, V=65\n" in capsys.readouterr().out
     flops.main([quickstart, f"--data_dir={tmp_path}"])  # no meta.pkl: gpt2's vocab
     assert "T=64, V=50257 (padded to 50304)\n" in capsys.readouterr().out
+
+
+# -----------------------------------------------------------------------------
+# the docs' count and the shipped results
+
+def test_the_docs_name_every_term_flops_py_prints():
+    """docs/flops.md's count and the README's left out the hc/mhc rows that `python flops.py` prints: every
+    term of every mode, and of the options that add their own (hc_dynamic, mhc_res, value_residual), is
+    named in both, and docs/flops.md names the backbone's and the other modes' too."""
+    docs = (REPO / "docs" / "flops.md").read_text().split("## Checked against torch")[0]
+    readme = (REPO / "README.md").read_text().split("- **The count**")[1].split("- **MFU**")[0]
+    configs = [dict(residual=r) for r in RESIDUALS] + [
+        dict(residual="hc", hc_dynamic=True), dict(residual="mhc", mhc_res="birkhoff"),
+        dict(residual="attnres", attnres_query="input"), dict(value_residual="half")]
+    terms = set()
+    for kw in configs:
+        terms |= set(flops.forward_flops(GPTConfig(vocab_size=65, n_layer=2, n_head=2, n_embd=32, block_size=16, **kw)))
+    assert {"hc_mix", "hc_read", "hc_write", "hc_dynamic", "mhc_proj", "mhc_sinkhorn", "mhc_birkhoff", "dwa",
+            "mudd_mix", "value_residual"} <= terms
+    for term in sorted(terms):
+        assert f"`{term}`" in docs, term
+    for term in sorted(terms - {"attn_proj", "attn_scores", "mlp", "head", "nag_modulator", "nag_modulator_mix",
+                                "attnres_depth", "attnres_query"}):  # the README names those in words
+        assert f"`{term}`" in readme, term
+
+
+def test_a_results_csv_with_nothing_to_compare_says_why(capsys):
+    """`flops.py results docs/sweep_shakespeare_mhc_cpu.csv` alone printed an empty comparison table: every
+    cell is alone at its depth. It now says so and names what to add."""
+    text = flops.main(["results", str(REPO / "docs" / "sweep_shakespeare_mhc_cpu.csv")])
+    section = text.split("against a baseline cell")[1].split("Every run")[0]
+    assert "| cell | baseline |" not in section
+    assert "No comparison: every cell is the only one of its depth (2, 4, 8 layers)" in section
+    assert "python flops.py results docs/sweep_shakespeare_cpu.csv docs/sweep_shakespeare_mhc_cpu.csv" in section
+
+
+def test_the_readme_command_for_mhc_at_equal_flops_gives_its_numbers(capsys):
+    """The README's "+0.025, +0.017, +0.009" (mhc against prenorm at 2, 4, 8 layers) needs the _s45 CSV for
+    prenorm's 5 seeds at 4 layers: its row names the command with every CSV, and that command prints them."""
+    row = next(line for line in (REPO / "README.md").read_text().splitlines() if "+0.025, +0.017, +0.009" in line)
+    command = re.search(r"`(python flops\.py results [^`]*)`", row)[1]
+    assert "docs/sweep_shakespeare_cpu_s45.csv" in command
+    text = flops.main(["results", *[str(REPO / a) for a in command.split()[3:]]])
+    rows = {r[0]: r[1:] for r in ([c.strip() for c in line.split("|")[1:-1]] for line in
+                                  text.split("against a baseline cell")[1].splitlines()) if r and r[0].startswith("mhc_")}
+    assert [(rows[f"mhc_L{L}"][0], f"{float(rows[f'mhc_L{L}'][1]):+.3f}") for L in (2, 4, 8)] == [
+        ("prenorm_L2", "+0.025"), ("prenorm_L4", "+0.017"), ("prenorm_L8", "+0.009")], rows

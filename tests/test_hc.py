@@ -14,6 +14,7 @@ prenorm at init; weight decay groups; training starts stable and the streams div
 composite gains stay at 1; router MoD leaves a skipped token's n streams untouched; bf16 autocast.
 
 `python tests/test_hc.py` prints the measured numbers (max logit differences, Sinkhorn errors)."""
+import itertools
 import math
 import sys
 from pathlib import Path
@@ -120,15 +121,24 @@ def mhc_rstd(X):
     return v, 1.0 / torch.sqrt(v.square().mean(-1, keepdim=True) + EPS)
 
 
+def birkhoff(logits, n):
+    """mHC-lite's H_res (github.com/FFTYYY/mhc-lite, hyper_conn/mhc_lite.py): the softmax of n! logits
+    weighs the permutation matrices eye[perm], perm in itertools.permutations order."""
+    perms = torch.eye(n, dtype=logits.dtype)[torch.tensor(list(itertools.permutations(range(n))))]  # [n!, n, n]
+    return torch.einsum("...r,rij->...ij", torch.softmax(logits, -1), perms)
+
+
 def mhc_coefficients(P, X, l, n, post_mult, repeat):
-    """mhc's H_pre, H_post [B, T, n], H_res [B, T, n, n] for sublayer l."""
+    """mhc's H_pre, H_post [B, T, n], H_res [B, T, n, n] for sublayer l (repeat None: mhc_res=birkhoff)."""
     v, rstd = mhc_rstd(X)
-    proj = v @ P["stream.phi"][l].T  # [B, T, n(n + 2)]
+    proj = v @ P["stream.phi"][l].T  # [B, T, n(n + 2)], birkhoff [B, T, 2n + n!]
     s = P["stream.scale"][l]
-    scale = torch.cat((s[0].repeat(n), s[1].repeat(n), s[2].repeat(n * n)))
+    scale = torch.cat((s[0].repeat(n), s[1].repeat(n), s[2].repeat(proj.size(-1) - 2 * n)))
     c = proj * rstd * scale + P["stream.base"][l]
     H_pre = torch.sigmoid(c[..., :n]) + EPS
     H_post = torch.sigmoid(c[..., n:2 * n]) * post_mult
+    if repeat is None:
+        return H_pre, H_post, birkhoff(c[..., 2 * n:], n)
     H_res = ref_sinkhorn(c[..., 2 * n:].reshape(*c.shape[:-1], n, n), repeat)
     return H_pre, H_post, H_res
 
@@ -167,6 +177,7 @@ CASES = {  # name: (config options, reference mode, reference post_mult, referen
     "hc_dynamic": (dict(residual="hc", hc_dynamic=True), "hc_dynamic", None, None),
     "mhc_paper": (dict(residual="mhc"), "mhc", 2.0, 20),  # the defaults: the paper's 2 and t_max = 20
     "mhc_official": (dict(residual="mhc", mhc_post_mult=1.0, mhc_sinkhorn_repeat=10), "mhc", 1.0, 10),
+    "mhc_lite": (dict(residual="mhc", mhc_res="birkhoff"), "mhc", 2.0, None),  # n! = 24 permutations
 }
 
 
@@ -303,8 +314,9 @@ def with_prenorm_weights(seed=0, **options):
     return prenorm, other
 
 
-@pytest.mark.parametrize("options", [dict(residual="hc"), dict(residual="hc", hc_dynamic=True), dict(residual="mhc")],
-                         ids=["hc_static", "hc_dynamic", "mhc"])
+@pytest.mark.parametrize("options", [dict(residual="hc"), dict(residual="hc", hc_dynamic=True), dict(residual="mhc"),
+                                     dict(residual="mhc", mhc_res="birkhoff")],
+                         ids=["hc_static", "hc_dynamic", "mhc", "mhc_lite"])
 def test_init_equals_prenorm(options):
     """At init every stream is prenorm's stream, so the logits are prenorm's: to 1e-6 (float64) once
     every RMSNorm's eps is 0 in both models. The eps is all that separates them otherwise: the head's
@@ -526,8 +538,9 @@ def test_router_mod_leaves_skipped_tokens_streams_untouched(residual, monkeypatc
 # -----------------------------------------------------------------------------
 # 7. bf16 autocast
 
-@pytest.mark.parametrize("options", [dict(residual="hc"), dict(residual="hc", hc_dynamic=True), dict(residual="mhc")],
-                         ids=["hc_static", "hc_dynamic", "mhc"])
+@pytest.mark.parametrize("options", [dict(residual="hc"), dict(residual="hc", hc_dynamic=True), dict(residual="mhc"),
+                                     dict(residual="mhc", mhc_res="birkhoff")],
+                         ids=["hc_static", "hc_dynamic", "mhc", "mhc_lite"])
 def test_bf16_autocast(options, monkeypatch):
     """Under torch.autocast("cpu", bfloat16) a forward and backward work from the init: the streams
     are bf16 from the embedding on and after every write, every parameter gets a finite gradient,

@@ -119,18 +119,31 @@ class DepthWeighted(Residual):
 @pytest.fixture(autouse=True)
 def new_modes(monkeypatch):
     monkeypatch.setitem(model_module.RESIDUALS, "rezero", ReZero)  # the one registry line
-    monkeypatch.setitem(model_module.RESIDUALS, "dwa", DepthWeighted)
+    monkeypatch.setitem(model_module.RESIDUALS, "dwa_sublayer", DepthWeighted)
 
 
-MODES = [*model_module.RESIDUALS, "rezero", "dwa"]
+MODES = [*model_module.RESIDUALS, "rezero", "dwa_sublayer"]
+VARIANTS = {  # options that change what a mode computes: each is checked as a mode of its own
+    "prenorm-norm_scaling": dict(residual="prenorm", norm_scaling=True),
+    "mhc-birkhoff": dict(residual="mhc", mhc_res="birkhoff"),
+    "dwa-2x2": dict(residual="dwa", dwa_dilation=2, dwa_period=2),
+    "hc-value_residual": dict(residual="hc", value_residual="learned"),  # a backbone option
+    "mudd-1way": dict(residual="mudd", mudd_ways=1),
+}
+CASES = MODES + list(VARIANTS)
 SHAPE = dict(block_size=16, vocab_size=65, n_layer=2, n_head=2, n_embd=32)
 
 
-def make(residual, seed=0, **kw):
+def options(case):
+    """The GPTConfig options of a case: a mode's name, or a variant's."""
+    return VARIANTS.get(case, {"residual": case})
+
+
+def make(case, seed=0, **kw):
     """A model off its init: every parameter of the mode moved by its own perturb(), so no write is
     exactly zero and no mixing matrix is the identity."""
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(**{**SHAPE, "residual": residual, **kw}))
+    model = GPT(GPTConfig(**{**SHAPE, **options(case), **kw}))
     model.stream.perturb(0.2, torch.Generator().manual_seed(seed))
     return model
 
@@ -148,7 +161,7 @@ def test_rezero_starts_as_the_embedding_through_the_head():
     torch.testing.assert_close(logits, model.lm_head(model.stream.norm_f(model.wte(idx))), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("residual", MODES)
+@pytest.mark.parametrize("residual", CASES)
 def test_causal(residual):
     model = make(residual).eval()
     a, b = tokens(seed=1), tokens(seed=2)
@@ -158,7 +171,7 @@ def test_causal(residual):
     assert (la[:, 9:] - lb[:, 9:]).abs().max() > 1e-4  # the later tokens do matter
 
 
-@pytest.mark.parametrize("residual", MODES)
+@pytest.mark.parametrize("residual", CASES)
 def test_trains_a_step(residual):
     model = make(residual).train()
     opt = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95))
@@ -175,7 +188,7 @@ def test_trains_a_step(residual):
     assert losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("residual", MODES)
+@pytest.mark.parametrize("residual", CASES)
 def test_kv_cache_generation_equals_recomputation(residual):
     model = make(residual).eval()
     prompt = tokens(T=5)
@@ -183,9 +196,9 @@ def test_kv_cache_generation_equals_recomputation(residual):
     assert torch.equal(cached, model.generate(prompt, 8, temperature=0, kv_cache=False))
 
 
-@pytest.mark.parametrize("residual", MODES)
+@pytest.mark.parametrize("residual", CASES)
 def test_flop_counter_equals_the_analytic_count(residual):
-    config = GPTConfig(**{**SHAPE, "block_size": 48, "residual": residual, "kernels": "torch"})
+    config = GPTConfig(**{**SHAPE, "block_size": 48, **options(residual), "kernels": "torch"})
     parts = flops.forward_flops(config)
     matmuls = sum(v for k, v in parts.items() if k in flops.matmul_parts(config))
     assert counted_flops(config) == pytest.approx(matmuls, rel=0.02)
@@ -198,7 +211,7 @@ def test_a_mode_that_states_no_flops_is_an_error(monkeypatch):
         flops.forward_flops(GPTConfig(**SHAPE, residual="rezero"))
 
 
-@pytest.mark.parametrize("residual", MODES)
+@pytest.mark.parametrize("residual", CASES)
 def test_diagnostics_rows(residual):
     model = make(residual)
     rows = model.diagnostics(tokens())
@@ -207,7 +220,7 @@ def test_diagnostics_rows(residual):
     assert all(r["rms"] > 0 for r in rows) and all(r["update"] > 0 for r in rows[:-1])
 
 
-@pytest.mark.parametrize("residual", MODES)
+@pytest.mark.parametrize("residual", CASES)
 def test_checkpoint_round_trip(residual, tmp_path):
     model = make(residual).eval()
     torch.save({"model": model.state_dict(), "model_args": asdict(model.config)}, tmp_path / "ckpt.pt")
@@ -225,7 +238,7 @@ def dtypes(state):
     return set().union(*(dtypes(s) for s in state)) if isinstance(state, (list, tuple)) else set()
 
 
-@pytest.mark.parametrize("residual", MODES)
+@pytest.mark.parametrize("residual", CASES)
 def test_bf16_autocast_keeps_the_stream_dtype(residual, monkeypatch):
     """Under autocast the stream keeps the dtype embed() gave it at every write (a write that
     rounds it to bf16 and back would not show in the final dtype)."""
@@ -244,7 +257,7 @@ def test_bf16_autocast_keeps_the_stream_dtype(residual, monkeypatch):
     assert len(seen) == 2 * SHAPE["n_layer"] and all(d == first for d in seen), (first, seen)
 
 
-@pytest.mark.parametrize("residual", ["rezero", "dwa"])
+@pytest.mark.parametrize("residual", ["rezero", "dwa_sublayer"])
 def test_the_new_modes_take_router_mod(residual):
     """The MoD modes a mode declares work with it; the others are a one-line error."""
     model = make(residual, mod="router", mod_rate=0.5, mod_inference="threshold").train()
@@ -262,16 +275,19 @@ def test_the_new_modes_take_router_mod(residual):
 def check_starts_as(residual):
     """A mode that declares starts_as = "prenorm" gives prenorm's logits at init with prenorm's backbone
     weights: float64, every RMSNorm eps 0 (a norm removes a scale only up to its eps), to 1e-6 (mhc's
-    Sinkhorn eps leaves column sums 1 - 1e-6: 5e-7 in the logits)."""
-    cls = model_module.RESIDUALS[residual]
-    assert cls.starts_as is None or cls.starts_as in model_module.RESIDUALS, \
-        f"{residual}: starts_as={cls.starts_as!r} is not a residual mode"
-    if cls.starts_as is None:
+    Sinkhorn eps leaves column sums 1 - 1e-6: 5e-7 in the logits). A mode's options may change what it
+    starts as (its stream's starts_as); backbone options (value_residual) are given to both models."""
+    opts = options(residual)
+    starts_as = GPT(GPTConfig(**SHAPE, **opts)).stream.starts_as
+    assert starts_as is None or starts_as in model_module.RESIDUALS, \
+        f"{residual}: starts_as={starts_as!r} is not a residual mode"
+    if starts_as is None:
         return
+    backbone = {k: v for k, v in opts.items() if k != "residual" and k not in model_module.OPTIONS}
     models = []
-    for name in (cls.starts_as, residual):
+    for config in ({**backbone, "residual": starts_as}, opts):
         torch.manual_seed(0)
-        models.append(GPT(GPTConfig(**SHAPE, residual=name)).double().eval())
+        models.append(GPT(GPTConfig(**SHAPE, **config)).double().eval())
     base, other = models
     missing, unexpected = other.load_state_dict(base.state_dict(), strict=False)  # the backbone: base's
     assert all(k.startswith("stream.") for k in missing + unexpected), (missing, unexpected)
@@ -282,8 +298,8 @@ def check_starts_as(residual):
     with torch.no_grad():
         want, got = base(idx, idx)[0], other(idx, idx)[0]
     err = (got - want).abs().max().item()
-    assert err <= 1e-6, f"{residual} declares starts_as={cls.starts_as!r}, but its logits at init differ " \
-                        f"from {cls.starts_as}'s by {err:.3g}: its init is not {cls.starts_as}"
+    assert err <= 1e-6, f"{residual} declares starts_as={starts_as!r}, but its logits at init differ " \
+                        f"from {starts_as}'s by {err:.3g}: its init is not {starts_as}"
 
 
 def check_decay(residual):
@@ -305,6 +321,8 @@ def check_skip(residual):
     """MoD's rule: skip(state, l) leaves the state as write_kept leaves a token that no route keeps, for
     every token, and changes nothing the state already held (it may only append)."""
     model = make(residual)
+    if not model.stream.mods:
+        pytest.skip(f"{residual} works with no MoD mode: nothing skips a sublayer")
     stream, B, T, d = model.stream, 2, 8, SHAPE["n_embd"]
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -362,7 +380,7 @@ def stream_flops(residual, monkeypatch, B=3, T=7):
     """(matmul, vector) FLOPs per token of the mode's embed, reads, writes and head, each sublayer's
     output a given tensor; the norms and the NAG write-back paused (flops.py does not count them)."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**{**SHAPE, "residual": residual, "kernels": "torch"}))
+    model = GPT(GPTConfig(**{**SHAPE, **options(residual), "kernels": "torch"}))
     model.stream.perturb(0.2, torch.Generator().manual_seed(0))
     counter = ElementCounter(B, T)
 
@@ -392,9 +410,9 @@ def check_element_flops(residual, monkeypatch):
     matmuls exactly, and the vector terms within a factor of 1.5 plus a slack of 4d + V (the embedding's
     and the head's own normalisation and scale, which flops.py leaves out with the norms). A term left
     out, or filed as a matmul when it is computed as broadcasts (or the reverse), fails."""
-    config = GPTConfig(**SHAPE, residual=residual)
+    config = GPTConfig(**SHAPE, **options(residual))
     parts = flops.mode_flops(config)
-    vector_terms = set(model_module.RESIDUALS[residual].vector_flops)
+    vector_terms = set(model_module.RESIDUALS[config.residual].vector_flops)
     declared_matmul = sum(v for k, v in parts.items() if k not in vector_terms)
     declared_vector = sum(v for k, v in parts.items() if k in vector_terms)
     matmul, vector = (a - b for a, b in zip(stream_flops(residual, monkeypatch), stream_flops("prenorm", monkeypatch)))
@@ -409,22 +427,22 @@ def check_element_flops(residual, monkeypatch):
         f"a term is missing or misfiled")
 
 
-@pytest.mark.parametrize("residual", MODES)
+@pytest.mark.parametrize("residual", CASES)
 def test_starts_as_what_it_declares(residual):
     check_starts_as(residual)
 
 
-@pytest.mark.parametrize("residual", MODES)
+@pytest.mark.parametrize("residual", CASES)
 def test_weight_decay_is_declared(residual):
     check_decay(residual)
 
 
-@pytest.mark.parametrize("residual", [r for r in MODES if r != "nag"] + ["nag"])
+@pytest.mark.parametrize("residual", [r for r in CASES if r != "nag"] + ["nag"])
 def test_skip_is_write_kept_with_no_token_kept(residual):
     check_skip(residual)
 
 
-@pytest.mark.parametrize("residual", MODES)
+@pytest.mark.parametrize("residual", CASES)
 def test_element_flops_match_the_declared_flops(residual, monkeypatch):
     check_element_flops(residual, monkeypatch)
 
@@ -462,10 +480,10 @@ PLANTED = {  # the bug, the check that must catch it, the message it must give
 def test_a_planted_bug_fails_a_generic_check(bug, monkeypatch):
     """Each bug passes silently unless the generic checks above run; each fails one, by name."""
     cls, check, message = PLANTED[bug]
-    monkeypatch.setitem(model_module.RESIDUALS, "dwa", cls)
+    monkeypatch.setitem(model_module.RESIDUALS, "dwa_sublayer", cls)
     args = (monkeypatch,) if check is check_element_flops else ()
     with pytest.raises((AssertionError, ValueError), match=message):
-        check("dwa", *args)
+        check("dwa_sublayer", *args)
 
 
 def test_help_lists_the_registered_modes(capsys):
