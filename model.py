@@ -923,6 +923,277 @@ class BlockAttnRes(AttnRes):
         return f" in {sum(self.ends)} blocks of {self.layers_per_block(self.config)} layer(s)"
 
 
+class HyperConnections(Residual):
+    """Hyper-connections (Zhu et al., arXiv 2409.19606, Algorithm 2 of App. J): the stream is n copies
+    X [..., n, d] (hc_streams); the embedding is copied into each. Sublayer l reads u = sum_m A_m[m] X_m
+    through its own pre-norm, as prenorm's sublayers do, and writes X'_j = sum_m A_r[m, j] X_m + B[j] f(u).
+    The head reads the sum of the streams through the final norm. Static (the default): A_m, A_r, B
+    are learned per sublayer, init A_m = one-hot at stream l mod n, A_r = I, B = 1: every stream then
+    equals prenorm's stream, and the logits equal prenorm's. hc_dynamic=True adds per-token terms
+    from the normed streams X_bar = RMSNorm(X) (the paper's LayerNorm; RMSNorm as everywhere here):
+    A_m += s_a tanh(X_bar W_m), A_r += s_a tanh(X_bar W_r), B += s_b tanh(X_bar W_b), W = 0 and
+    s_a = s_b = 0.01 at init. MHC below constrains the same read and write.
+    The state is [X, mixes, composite]: read() computes sublayer l's coefficients from X and keeps
+    them (mixes) for write(); composite is diagnostics' running product of the H_res (stats())."""
+    options = dict(
+        hc_streams=4,  # hc, mhc: n, the residual streams (each n_embd wide)
+        hc_dynamic=False,  # hc: False: static mixing matrices | True: plus per-token terms (the paper's DHC)
+    )
+    mods, ops, starts_as = ("router",), ("rms_norm", "hc_post_mix"), "prenorm"
+    vector_flops = ("hc_read", "hc_write")
+    routed_flops = ("hc_mix", "hc_write")  # under MoD a skipped token's streams are neither mixed nor written
+
+    @staticmethod
+    def check(config):
+        if not (type(config.hc_streams) is int and config.hc_streams >= 1):
+            raise ValueError(f"hc_streams must be an integer >= 1, got {config.hc_streams!r}")
+        if config.hc_dynamic not in (True, False):
+            raise ValueError(f"hc_dynamic must be True or False, got {config.hc_dynamic!r}")
+
+    @staticmethod
+    def flops(config):
+        n, d, L = config.hc_streams, config.n_embd, config.n_sublayers
+        # the H_res mix is a (small) matmul; the read's weighted sum and H_post f(u) added are not
+        out = {"hc_mix": 2 * n * n * d * L, "hc_read": 2 * n * d * L, "hc_write": 2 * n * d * L}
+        if config.hc_dynamic:  # X_bar [n, d] @ [W_m | W_r | W_b] [d, n + 2]
+            out["hc_dynamic"] = 2 * n * d * (n + 2) * L
+        return out
+
+    def __init__(self, config):
+        super().__init__()
+        n, d, L = config.hc_streams, config.n_embd, config.n_sublayers
+        self.n, self.impl = n, config.kernels
+        self.norms = nn.ModuleList(RMSNorm(d, config.kernels) for _ in range(L))
+        self.norm_f = RMSNorm(d, config.kernels)
+        self.init_mixing(config)
+
+    def init_mixing(self, config):
+        """The parameters the coefficients come from, at the paper's init."""
+        n, L = config.hc_streams, config.n_sublayers
+        self.pre = nn.Parameter(F.one_hot(torch.arange(L) % n, n).float())  # A_m, per sublayer [n]
+        self.res = nn.Parameter(torch.eye(n).repeat(L, 1, 1))  # A_r [n, n]
+        self.post = nn.Parameter(torch.ones(L, n))  # B [n]
+        self.dynamic = config.hc_dynamic
+        if self.dynamic:
+            self.dynamic_norms = nn.ModuleList(RMSNorm(config.n_embd, config.kernels) for _ in range(L))
+            self.dynamic_proj = nn.Parameter(torch.zeros(L, n + 2, config.n_embd))  # [W_m | W_r | W_b]^T
+            self.dynamic_scale = nn.Parameter(torch.full((L, 2), 0.01))  # s_a, s_b
+
+    def no_decay_parameters(self):
+        # the mixing matrices (stacked per sublayer, so 2-D and 3-D) take no weight decay
+        return [self.pre, self.res, self.post] + ([self.dynamic_scale] if self.dynamic else [])
+
+    def decay_parameters(self):
+        return [self.dynamic_proj] if self.dynamic else []  # W_m, W_r, W_b: projections of the normed streams
+
+    def describe(self):
+        return f" x {self.n} streams"
+
+    def embed(self, e):
+        # the streams in the compute dtype (bf16 under autocast), as mHC's official kernels keep them:
+        # n copies in fp32 would double what the stream costs in memory and traffic
+        if torch.is_autocast_enabled(e.device.type):
+            e = e.to(torch.get_autocast_dtype(e.device.type))
+        return [e.unsqueeze(-2).expand(*e.shape[:-1], self.n, e.size(-1)).contiguous(), None, None]
+
+    def mixes(self, X, l):
+        """(h_pre, h_post, h_res) of sublayer l: [n], [n], [n, n], or per token [..., n], [..., n, n]."""
+        pre, post, res = self.pre[l], self.post[l], self.res[l]
+        if self.dynamic:
+            t = torch.tanh(upcast(F.linear(self.dynamic_norms[l](X), self.dynamic_proj[l])))  # [..., n, n + 2]
+            s_a, s_b = self.dynamic_scale[l]
+            pre, res, post = pre + s_a * t[..., 0], res + s_a * t[..., 1:-1], post + s_b * t[..., -1]
+        return pre, post, res
+
+    def read(self, state, l):
+        X = state[0]
+        pre, post, res = self.mixes(X, l)
+        state[1] = post, res  # for write()
+        u = (pre.to(X.dtype).unsqueeze(-1) * X).sum(-2)  # sum_m A_m[m] X_m (a matmul would save a transposed copy of X)
+        return self.norms[l](u)
+
+    def write(self, state, l, out):
+        post, res = state[1]
+        return [hc_post_mix(state[0], out, post, res, impl=self.impl), None, state[2]]
+
+    def write_kept(self, state, l, out, route):
+        """Router MoD: the kept tokens' streams get the whole write (mix and output); a skipped
+        token's n streams stay as they are."""
+        X, (post, res) = state[0], state[1]
+        kept = route.gather(X)
+        post = route.gather(post) if post.dim() > 1 else post
+        res = route.gather(res) if res.dim() > 2 else res
+        new = hc_post_mix(kept, route.weigh(out), post, res, impl=self.impl)
+        new = route.keep(new.flatten(-2), kept.flatten(-2)).view_as(new)  # padding keeps its streams
+        return [route.scatter(X, new), None, state[2]]
+
+    def skip(self, state, l):
+        return [state[0], None, state[2]]  # no write: the mixes read() kept are dropped
+
+    def head(self, state, lm_head):
+        return lm_head(self.norm_f(state[0].sum(-2)))
+
+    def value(self, state, l):
+        return state[0].mean(-2)  # the streams' mean: at hc's init, prenorm's stream
+
+    def tokens(self, state):
+        return [state[0]]  # the n streams (the mixes and the composite are not the stream)
+
+    def stats(self, state, l):
+        """The streams' mean pairwise cosine ("stream_cos", 1: collapsed), and the composite H_res
+        from the embedding through sublayer l (the product of the mixes so far, this sublayer's
+        included; the head: all of them): its max row sum "gain_fwd" (how much a signal can grow
+        going up) and max column sum "gain_bwd" (a gradient going down), |entries|, each averaged over
+        tokens. mHC keeps both at 1; hc's may drift. MoD's skips are not in the product."""
+        X = upcast(state[0])
+        unit = F.normalize(X, dim=-1)
+        cos = unit @ unit.transpose(-1, -2)
+        n = self.n
+        out = {"stream_cos": ((cos.sum((-2, -1)) - n) / max(n * (n - 1), 1)).mean().item()}
+        if l < len(self.norms):
+            h_res = upcast(self.mixes(state[0], l)[2]).expand(*X.shape[:-2], n, n)
+            prev = state[2] if state[2] is not None else torch.eye(n, dtype=X.dtype, device=X.device)
+            state[2] = h_res.transpose(-1, -2) @ prev  # X_l+1 = H_res^T X_l + ...: maps X_0 to X_l+1
+        if state[2] is not None:
+            a = state[2].abs()
+            out["gain_fwd"] = a.sum(-1).amax(-1).mean().item()
+            out["gain_bwd"] = a.sum(-2).amax(-1).mean().item()
+        return out
+
+
+class MHC(HyperConnections):
+    """Manifold-constrained hyper-connections (DeepSeek, arXiv 2512.24880), with the equations of
+    the official code (deepseek-ai/TileKernels, mhc_pre / mhc_post / mhc_head). Per sublayer one
+    projection of the flattened streams, proj = vec(X) phi^T [n(n+2)], RMS-normalised after the
+    projection (RMSNorm over all n*d, folded: proj * rsqrt(mean(vec(X)^2) + eps)), times three scales
+    (pre, post, res) plus a bias: c. H_pre = sigmoid(c_pre) + 1e-6; H_post = sigmoid(c_post) *
+    mhc_post_mult; H_res = Sinkhorn(c_res), fp32 whatever the autocast, mhc_sinkhorn_repeat
+    iterations: doubly stochastic, so the composite mix over depth neither grows nor vanishes.
+    Read u = sum_m H_pre[m] X_m; write X'_j = H_post[j] f(u) + sum_m H_res[m, j] X_m (the official
+    orientation). The head mixes the streams with a projection of its own, h = sigmoid(.) + 1e-6,
+    before the final norm. Paper vs official code: the post multiplier (2 vs 1.0) and the repeats
+    (20 vs 10); the defaults are the paper's (README "Fidelity").
+    Init (neither source gives one): phi = 0 and scales 0.01 (as hc's dynamic part), so at init the
+    coefficients are the biases: pre +2 at stream l mod n and -2 elsewhere (each sublayer reads mostly
+    its own stream, as hc's one-hot), post 0 (H_post = 1 with the multiplier 2), res 2 on the
+    diagonal (H_res 0.71 on it for n = 4: near the identity, not so peaked that Sinkhorn's gradient
+    vanishes), head 0. The streams start equal and a doubly-stochastic H_res keeps equal streams
+    equal, so at init every stream is prenorm's stream and the logits are prenorm's."""
+    options = dict(
+        hc_streams=4,
+        mhc_post_mult=2.0,  # mhc: H_post = sigmoid(.) * this: 2.0 (the paper) | 1.0 (the official code's default)
+        mhc_sinkhorn_repeat=20,  # mhc: Sinkhorn iterations: 20 (the paper's t_max) | 10 (the official code's default)
+        mhc_res=("sinkhorn", "birkhoff"),  # mhc: H_res by Sinkhorn | birkhoff: mHC-lite, a softmax over the n! permutations
+    )
+    ops = ("rms_norm", "mhc_pre_mix", "sinkhorn", "hc_post_mix")
+    vector_flops = ("hc_read", "hc_write", "mhc_sinkhorn", "mhc_birkhoff_norm")
+
+    @staticmethod
+    def check(config):
+        HyperConnections.check(config)
+        if not (isinstance(config.mhc_post_mult, (int, float)) and config.mhc_post_mult > 0):
+            raise ValueError(f"mhc_post_mult must be a number > 0 (2.0: the paper, 1.0: the official code), "
+                             f"got {config.mhc_post_mult!r}")
+        if not (type(config.mhc_sinkhorn_repeat) is int and config.mhc_sinkhorn_repeat >= 1):
+            raise ValueError(f"mhc_sinkhorn_repeat must be an integer >= 1 (20: the paper, 10: the official code), "
+                             f"got {config.mhc_sinkhorn_repeat!r}")
+        if config.mhc_res == "birkhoff" and config.hc_streams > 6:
+            raise ValueError(f"mhc_res=birkhoff takes n! = {math.factorial(config.hc_streams)} logits per sublayer "
+                             f"at hc_streams={config.hc_streams}: use hc_streams <= 6 (mHC-lite's n = 4)")
+        if config.mhc_res == "birkhoff" and config.mhc_sinkhorn_repeat != 20:
+            raise ValueError("mhc_sinkhorn_repeat does nothing with mhc_res=birkhoff (no Sinkhorn): remove it")
+
+    @staticmethod
+    def res_size(config):
+        """The coefficients of H_res per sublayer: n^2 logits for Sinkhorn, n! for birkhoff."""
+        n = config.hc_streams
+        return math.factorial(n) if config.mhc_res == "birkhoff" else n * n
+
+    @classmethod
+    def flops(cls, config):
+        n, d, L = config.hc_streams, config.n_embd, config.n_sublayers
+        K = 2 * n + cls.res_size(config)
+        out = {"hc_mix": 2 * n * n * d * L, "hc_write": 2 * n * d * L,
+               "hc_read": 2 * n * d * (L + 1),  # sum_m H_pre[m] X_m (fused with the coefficients), and the head's
+               "mhc_proj": 2 * n * d * (K * L + n)}  # vec(X) phi^T per sublayer, and the head's
+        if config.mhc_res == "birkhoff":
+            out["mhc_birkhoff"] = 2 * cls.res_size(config) * n * n * L  # the weights times the n! permutation matrices (a matmul)
+            out["mhc_birkhoff_norm"] = 2 * n * d * L  # the RMS of the streams its logits are scaled by
+        else:  # per step of each sublayer's n x n Sinkhorn: a sum and a divide per entry
+            out["mhc_sinkhorn"] = 2 * n * n * (2 * config.mhc_sinkhorn_repeat) * L
+        return out
+
+    def init_mixing(self, config):
+        """phi, the scales and biases of each sublayer and of the head, at our init (class docstring).
+        birkhoff: H_res's n! logits start as mHC-lite's (github.com/FFTYYY/mhc-lite): 0 for the identity
+        permutation, -8 for every other (H_res 0.99 on the diagonal for n = 4)."""
+        n, d, L = config.hc_streams, config.n_embd, config.n_sublayers
+        self.birkhoff = config.mhc_res == "birkhoff"
+        K = 2 * n + self.res_size(config)
+        self.phi = nn.Parameter(torch.zeros(L, K, n * d))
+        self.scale = nn.Parameter(torch.full((L, 3), 0.01))
+        own = F.one_hot(torch.arange(L) % n, n).float()
+        if self.birkhoff:  # itertools.permutations lists the identity first
+            self.ops = tuple(op for op in type(self).ops if op != "sinkhorn")
+            perms = torch.tensor(list(itertools.permutations(range(n))))
+            self.register_buffer("permutations", torch.eye(n)[perms].flatten(1), persistent=False)  # [n!, n^2]
+            res = torch.full((L, K - 2 * n), -8.0)
+            res[:, 0] = 0.0
+        else:
+            res = 2 * torch.eye(n).flatten().repeat(L, 1)
+        self.base = nn.Parameter(torch.cat((4 * own - 2, torch.zeros(L, n), res), 1))
+        self.head_phi = nn.Parameter(torch.zeros(n, n * d))
+        self.head_scale = nn.Parameter(torch.full((1,), 0.01))
+        self.head_base = nn.Parameter(torch.zeros(n))
+        self.post_mult, self.repeat = float(config.mhc_post_mult), config.mhc_sinkhorn_repeat
+
+    def no_decay_parameters(self):
+        return [self.scale, self.base, self.head_scale, self.head_base]
+
+    def decay_parameters(self):
+        return [self.phi, self.head_phi]  # projections of the flattened streams, as any projection
+
+    def mixes(self, X, l):
+        """(u, h_post, h_res): the read and the coefficients, from one projection of the streams."""
+        proj = F.linear(X.flatten(-2), self.phi[l].to(X.dtype))
+        if self.birkhoff:
+            return self.birkhoff_mixes(X, proj, l)
+        u, post, res_logits = mhc_pre_mix(X, proj, self.scale[l], self.base[l], post_mult=self.post_mult,
+                                          impl=self.impl)
+        return u, post, sinkhorn(res_logits, self.repeat, impl=self.impl)
+
+    def birkhoff_mixes(self, X, proj, l):
+        """mhc_res=birkhoff (mHC-lite, arXiv 2601.05732): H_res = sum_k softmax(c_res)_k P_k over the n!
+        permutation matrices P_k, doubly stochastic exactly, no iterations; c_res = scale_res * proj_res *
+        rsqrt(mean(vec(X)^2) + eps) + base_res, the same normalisation as the other coefficients. The read
+        and H_post come from the fused pre-mix with no H_res columns (zeros, discarded)."""
+        n = self.n
+        zeros = proj.new_zeros(*proj.shape[:-1], n * n)
+        u, post, _ = mhc_pre_mix(X, torch.cat((proj[..., :2 * n], zeros), -1), self.scale[l],
+                                 F.pad(self.base[l, :2 * n], (0, n * n)), post_mult=self.post_mult, impl=self.impl)
+        xf = upcast(X)
+        with fp32_math(xf):
+            rstd = torch.rsqrt(xf.square().mean((-2, -1)) + 1e-6).unsqueeze(-1)
+            logits = self.scale[l, 2] * upcast(proj[..., 2 * n:]) * rstd + self.base[l, 2 * n:]
+            h_res = torch.softmax(logits, -1) @ self.permutations.to(logits.dtype)
+        return u, post, h_res.unflatten(-1, (n, n))
+
+    def read(self, state, l):
+        u, post, res = self.mixes(state[0], l)
+        state[1] = post, res  # for write()
+        return self.norms[l](u)
+
+    def head(self, state, lm_head):
+        X = state[0]
+        n = self.n
+        # the official mhc_head: the pre-mix's read with n coefficients (the rest of proj zero)
+        proj = F.pad(F.linear(X.flatten(-2), self.head_phi.to(X.dtype)), (0, n * (n + 1)))
+        scale = F.pad(self.head_scale, (0, 2))
+        base = F.pad(self.head_base, (0, n * (n + 1)))
+        u = mhc_pre_mix(X, proj, scale, base, impl=self.impl)[0]
+        return lm_head(self.norm_f(u))
+
+
 class DenseFormer(Residual):
     """DenseFormer (Pagliardini et al., arXiv 2402.02622; epfml/DenseFormer): a prenorm stream, and after
     block i (i = 1..L, a block is a layer: attention then MLP) a depth-weighted average (DWA) of the
@@ -1227,277 +1498,6 @@ class MUDD(Residual):
             return {}
         outputs = state[1]
         return {"depth_weights": self.weights(outputs[-1], i - 1)[..., -1, :].float().flatten(0, -2).mean(0).tolist()}
-
-
-class HyperConnections(Residual):
-    """Hyper-connections (Zhu et al., arXiv 2409.19606, Algorithm 2 of App. J): the stream is n copies
-    X [..., n, d] (hc_streams); the embedding is copied into each. Sublayer l reads u = sum_m A_m[m] X_m
-    through its own pre-norm, as prenorm's sublayers do, and writes X'_j = sum_m A_r[m, j] X_m + B[j] f(u).
-    The head reads the sum of the streams through the final norm. Static (the default): A_m, A_r, B
-    are learned per sublayer, init A_m = one-hot at stream l mod n, A_r = I, B = 1: every stream then
-    equals prenorm's stream, and the logits equal prenorm's. hc_dynamic=True adds per-token terms
-    from the normed streams X_bar = RMSNorm(X) (the paper's LayerNorm; RMSNorm as everywhere here):
-    A_m += s_a tanh(X_bar W_m), A_r += s_a tanh(X_bar W_r), B += s_b tanh(X_bar W_b), W = 0 and
-    s_a = s_b = 0.01 at init. MHC below constrains the same read and write.
-    The state is [X, mixes, composite]: read() computes sublayer l's coefficients from X and keeps
-    them (mixes) for write(); composite is diagnostics' running product of the H_res (stats())."""
-    options = dict(
-        hc_streams=4,  # hc, mhc: n, the residual streams (each n_embd wide)
-        hc_dynamic=False,  # hc: False: static mixing matrices | True: plus per-token terms (the paper's DHC)
-    )
-    mods, ops, starts_as = ("router",), ("rms_norm", "hc_post_mix"), "prenorm"
-    vector_flops = ("hc_read", "hc_write")
-    routed_flops = ("hc_mix", "hc_write")  # under MoD a skipped token's streams are neither mixed nor written
-
-    @staticmethod
-    def check(config):
-        if not (type(config.hc_streams) is int and config.hc_streams >= 1):
-            raise ValueError(f"hc_streams must be an integer >= 1, got {config.hc_streams!r}")
-        if config.hc_dynamic not in (True, False):
-            raise ValueError(f"hc_dynamic must be True or False, got {config.hc_dynamic!r}")
-
-    @staticmethod
-    def flops(config):
-        n, d, L = config.hc_streams, config.n_embd, config.n_sublayers
-        # the H_res mix is a (small) matmul; the read's weighted sum and H_post f(u) added are not
-        out = {"hc_mix": 2 * n * n * d * L, "hc_read": 2 * n * d * L, "hc_write": 2 * n * d * L}
-        if config.hc_dynamic:  # X_bar [n, d] @ [W_m | W_r | W_b] [d, n + 2]
-            out["hc_dynamic"] = 2 * n * d * (n + 2) * L
-        return out
-
-    def __init__(self, config):
-        super().__init__()
-        n, d, L = config.hc_streams, config.n_embd, config.n_sublayers
-        self.n, self.impl = n, config.kernels
-        self.norms = nn.ModuleList(RMSNorm(d, config.kernels) for _ in range(L))
-        self.norm_f = RMSNorm(d, config.kernels)
-        self.init_mixing(config)
-
-    def init_mixing(self, config):
-        """The parameters the coefficients come from, at the paper's init."""
-        n, L = config.hc_streams, config.n_sublayers
-        self.pre = nn.Parameter(F.one_hot(torch.arange(L) % n, n).float())  # A_m, per sublayer [n]
-        self.res = nn.Parameter(torch.eye(n).repeat(L, 1, 1))  # A_r [n, n]
-        self.post = nn.Parameter(torch.ones(L, n))  # B [n]
-        self.dynamic = config.hc_dynamic
-        if self.dynamic:
-            self.dynamic_norms = nn.ModuleList(RMSNorm(config.n_embd, config.kernels) for _ in range(L))
-            self.dynamic_proj = nn.Parameter(torch.zeros(L, n + 2, config.n_embd))  # [W_m | W_r | W_b]^T
-            self.dynamic_scale = nn.Parameter(torch.full((L, 2), 0.01))  # s_a, s_b
-
-    def no_decay_parameters(self):
-        # the mixing matrices (stacked per sublayer, so 2-D and 3-D) take no weight decay
-        return [self.pre, self.res, self.post] + ([self.dynamic_scale] if self.dynamic else [])
-
-    def decay_parameters(self):
-        return [self.dynamic_proj] if self.dynamic else []  # W_m, W_r, W_b: projections of the normed streams
-
-    def describe(self):
-        return f" x {self.n} streams"
-
-    def embed(self, e):
-        # the streams in the compute dtype (bf16 under autocast), as mHC's official kernels keep them:
-        # n copies in fp32 would double what the stream costs in memory and traffic
-        if torch.is_autocast_enabled(e.device.type):
-            e = e.to(torch.get_autocast_dtype(e.device.type))
-        return [e.unsqueeze(-2).expand(*e.shape[:-1], self.n, e.size(-1)).contiguous(), None, None]
-
-    def mixes(self, X, l):
-        """(h_pre, h_post, h_res) of sublayer l: [n], [n], [n, n], or per token [..., n], [..., n, n]."""
-        pre, post, res = self.pre[l], self.post[l], self.res[l]
-        if self.dynamic:
-            t = torch.tanh(upcast(F.linear(self.dynamic_norms[l](X), self.dynamic_proj[l])))  # [..., n, n + 2]
-            s_a, s_b = self.dynamic_scale[l]
-            pre, res, post = pre + s_a * t[..., 0], res + s_a * t[..., 1:-1], post + s_b * t[..., -1]
-        return pre, post, res
-
-    def read(self, state, l):
-        X = state[0]
-        pre, post, res = self.mixes(X, l)
-        state[1] = post, res  # for write()
-        u = (pre.to(X.dtype).unsqueeze(-1) * X).sum(-2)  # sum_m A_m[m] X_m (a matmul would save a transposed copy of X)
-        return self.norms[l](u)
-
-    def write(self, state, l, out):
-        post, res = state[1]
-        return [hc_post_mix(state[0], out, post, res, impl=self.impl), None, state[2]]
-
-    def write_kept(self, state, l, out, route):
-        """Router MoD: the kept tokens' streams get the whole write (mix and output); a skipped
-        token's n streams stay as they are."""
-        X, (post, res) = state[0], state[1]
-        kept = route.gather(X)
-        post = route.gather(post) if post.dim() > 1 else post
-        res = route.gather(res) if res.dim() > 2 else res
-        new = hc_post_mix(kept, route.weigh(out), post, res, impl=self.impl)
-        new = route.keep(new.flatten(-2), kept.flatten(-2)).view_as(new)  # padding keeps its streams
-        return [route.scatter(X, new), None, state[2]]
-
-    def skip(self, state, l):
-        return [state[0], None, state[2]]  # no write: the mixes read() kept are dropped
-
-    def head(self, state, lm_head):
-        return lm_head(self.norm_f(state[0].sum(-2)))
-
-    def value(self, state, l):
-        return state[0].mean(-2)  # the streams' mean: at hc's init, prenorm's stream
-
-    def tokens(self, state):
-        return [state[0]]  # the n streams (the mixes and the composite are not the stream)
-
-    def stats(self, state, l):
-        """The streams' mean pairwise cosine ("stream_cos", 1: collapsed), and the composite H_res
-        from the embedding through sublayer l (the product of the mixes so far, this sublayer's
-        included; the head: all of them): its max row sum "gain_fwd" (how much a signal can grow
-        going up) and max column sum "gain_bwd" (a gradient going down), |entries|, each averaged over
-        tokens. mHC keeps both at 1; hc's may drift. MoD's skips are not in the product."""
-        X = upcast(state[0])
-        unit = F.normalize(X, dim=-1)
-        cos = unit @ unit.transpose(-1, -2)
-        n = self.n
-        out = {"stream_cos": ((cos.sum((-2, -1)) - n) / max(n * (n - 1), 1)).mean().item()}
-        if l < len(self.norms):
-            h_res = upcast(self.mixes(state[0], l)[2]).expand(*X.shape[:-2], n, n)
-            prev = state[2] if state[2] is not None else torch.eye(n, dtype=X.dtype, device=X.device)
-            state[2] = h_res.transpose(-1, -2) @ prev  # X_l+1 = H_res^T X_l + ...: maps X_0 to X_l+1
-        if state[2] is not None:
-            a = state[2].abs()
-            out["gain_fwd"] = a.sum(-1).amax(-1).mean().item()
-            out["gain_bwd"] = a.sum(-2).amax(-1).mean().item()
-        return out
-
-
-class MHC(HyperConnections):
-    """Manifold-constrained hyper-connections (DeepSeek, arXiv 2512.24880), with the equations of
-    the official code (deepseek-ai/TileKernels, mhc_pre / mhc_post / mhc_head). Per sublayer one
-    projection of the flattened streams, proj = vec(X) phi^T [n(n+2)], RMS-normalised after the
-    projection (RMSNorm over all n*d, folded: proj * rsqrt(mean(vec(X)^2) + eps)), times three scales
-    (pre, post, res) plus a bias: c. H_pre = sigmoid(c_pre) + 1e-6; H_post = sigmoid(c_post) *
-    mhc_post_mult; H_res = Sinkhorn(c_res), fp32 whatever the autocast, mhc_sinkhorn_repeat
-    iterations: doubly stochastic, so the composite mix over depth neither grows nor vanishes.
-    Read u = sum_m H_pre[m] X_m; write X'_j = H_post[j] f(u) + sum_m H_res[m, j] X_m (the official
-    orientation). The head mixes the streams with a projection of its own, h = sigmoid(.) + 1e-6,
-    before the final norm. Paper vs official code: the post multiplier (2 vs 1.0) and the repeats
-    (20 vs 10); the defaults are the paper's (README "Fidelity").
-    Init (neither source gives one): phi = 0 and scales 0.01 (as hc's dynamic part), so at init the
-    coefficients are the biases: pre +2 at stream l mod n and -2 elsewhere (each sublayer reads mostly
-    its own stream, as hc's one-hot), post 0 (H_post = 1 with the multiplier 2), res 2 on the
-    diagonal (H_res 0.71 on it for n = 4: near the identity, not so peaked that Sinkhorn's gradient
-    vanishes), head 0. The streams start equal and a doubly-stochastic H_res keeps equal streams
-    equal, so at init every stream is prenorm's stream and the logits are prenorm's."""
-    options = dict(
-        hc_streams=4,
-        mhc_post_mult=2.0,  # mhc: H_post = sigmoid(.) * this: 2.0 (the paper) | 1.0 (the official code's default)
-        mhc_sinkhorn_repeat=20,  # mhc: Sinkhorn iterations: 20 (the paper's t_max) | 10 (the official code's default)
-        mhc_res=("sinkhorn", "birkhoff"),  # mhc: H_res by Sinkhorn | birkhoff: mHC-lite, a softmax over the n! permutations
-    )
-    ops = ("rms_norm", "mhc_pre_mix", "sinkhorn", "hc_post_mix")
-    vector_flops = ("hc_read", "hc_write", "mhc_sinkhorn", "mhc_birkhoff_norm")
-
-    @staticmethod
-    def check(config):
-        HyperConnections.check(config)
-        if not (isinstance(config.mhc_post_mult, (int, float)) and config.mhc_post_mult > 0):
-            raise ValueError(f"mhc_post_mult must be a number > 0 (2.0: the paper, 1.0: the official code), "
-                             f"got {config.mhc_post_mult!r}")
-        if not (type(config.mhc_sinkhorn_repeat) is int and config.mhc_sinkhorn_repeat >= 1):
-            raise ValueError(f"mhc_sinkhorn_repeat must be an integer >= 1 (20: the paper, 10: the official code), "
-                             f"got {config.mhc_sinkhorn_repeat!r}")
-        if config.mhc_res == "birkhoff" and config.hc_streams > 6:
-            raise ValueError(f"mhc_res=birkhoff takes n! = {math.factorial(config.hc_streams)} logits per sublayer "
-                             f"at hc_streams={config.hc_streams}: use hc_streams <= 6 (mHC-lite's n = 4)")
-        if config.mhc_res == "birkhoff" and config.mhc_sinkhorn_repeat != 20:
-            raise ValueError("mhc_sinkhorn_repeat does nothing with mhc_res=birkhoff (no Sinkhorn): remove it")
-
-    @staticmethod
-    def res_size(config):
-        """The coefficients of H_res per sublayer: n^2 logits for Sinkhorn, n! for birkhoff."""
-        n = config.hc_streams
-        return math.factorial(n) if config.mhc_res == "birkhoff" else n * n
-
-    @classmethod
-    def flops(cls, config):
-        n, d, L = config.hc_streams, config.n_embd, config.n_sublayers
-        K = 2 * n + cls.res_size(config)
-        out = {"hc_mix": 2 * n * n * d * L, "hc_write": 2 * n * d * L,
-               "hc_read": 2 * n * d * (L + 1),  # sum_m H_pre[m] X_m (fused with the coefficients), and the head's
-               "mhc_proj": 2 * n * d * (K * L + n)}  # vec(X) phi^T per sublayer, and the head's
-        if config.mhc_res == "birkhoff":
-            out["mhc_birkhoff"] = 2 * cls.res_size(config) * n * n * L  # the weights times the n! permutation matrices (a matmul)
-            out["mhc_birkhoff_norm"] = 2 * n * d * L  # the RMS of the streams its logits are scaled by
-        else:  # per step of each sublayer's n x n Sinkhorn: a sum and a divide per entry
-            out["mhc_sinkhorn"] = 2 * n * n * (2 * config.mhc_sinkhorn_repeat) * L
-        return out
-
-    def init_mixing(self, config):
-        """phi, the scales and biases of each sublayer and of the head, at our init (class docstring).
-        birkhoff: H_res's n! logits start as mHC-lite's (github.com/FFTYYY/mhc-lite): 0 for the identity
-        permutation, -8 for every other (H_res 0.99 on the diagonal for n = 4)."""
-        n, d, L = config.hc_streams, config.n_embd, config.n_sublayers
-        self.birkhoff = config.mhc_res == "birkhoff"
-        K = 2 * n + self.res_size(config)
-        self.phi = nn.Parameter(torch.zeros(L, K, n * d))
-        self.scale = nn.Parameter(torch.full((L, 3), 0.01))
-        own = F.one_hot(torch.arange(L) % n, n).float()
-        if self.birkhoff:  # itertools.permutations lists the identity first
-            self.ops = tuple(op for op in type(self).ops if op != "sinkhorn")
-            perms = torch.tensor(list(itertools.permutations(range(n))))
-            self.register_buffer("permutations", torch.eye(n)[perms].flatten(1), persistent=False)  # [n!, n^2]
-            res = torch.full((L, K - 2 * n), -8.0)
-            res[:, 0] = 0.0
-        else:
-            res = 2 * torch.eye(n).flatten().repeat(L, 1)
-        self.base = nn.Parameter(torch.cat((4 * own - 2, torch.zeros(L, n), res), 1))
-        self.head_phi = nn.Parameter(torch.zeros(n, n * d))
-        self.head_scale = nn.Parameter(torch.full((1,), 0.01))
-        self.head_base = nn.Parameter(torch.zeros(n))
-        self.post_mult, self.repeat = float(config.mhc_post_mult), config.mhc_sinkhorn_repeat
-
-    def no_decay_parameters(self):
-        return [self.scale, self.base, self.head_scale, self.head_base]
-
-    def decay_parameters(self):
-        return [self.phi, self.head_phi]  # projections of the flattened streams, as any projection
-
-    def mixes(self, X, l):
-        """(u, h_post, h_res): the read and the coefficients, from one projection of the streams."""
-        proj = F.linear(X.flatten(-2), self.phi[l].to(X.dtype))
-        if self.birkhoff:
-            return self.birkhoff_mixes(X, proj, l)
-        u, post, res_logits = mhc_pre_mix(X, proj, self.scale[l], self.base[l], post_mult=self.post_mult,
-                                          impl=self.impl)
-        return u, post, sinkhorn(res_logits, self.repeat, impl=self.impl)
-
-    def birkhoff_mixes(self, X, proj, l):
-        """mhc_res=birkhoff (mHC-lite, arXiv 2601.05732): H_res = sum_k softmax(c_res)_k P_k over the n!
-        permutation matrices P_k, doubly stochastic exactly, no iterations; c_res = scale_res * proj_res *
-        rsqrt(mean(vec(X)^2) + eps) + base_res, the same normalisation as the other coefficients. The read
-        and H_post come from the fused pre-mix with no H_res columns (zeros, discarded)."""
-        n = self.n
-        zeros = proj.new_zeros(*proj.shape[:-1], n * n)
-        u, post, _ = mhc_pre_mix(X, torch.cat((proj[..., :2 * n], zeros), -1), self.scale[l],
-                                 F.pad(self.base[l, :2 * n], (0, n * n)), post_mult=self.post_mult, impl=self.impl)
-        xf = upcast(X)
-        with fp32_math(xf):
-            rstd = torch.rsqrt(xf.square().mean((-2, -1)) + 1e-6).unsqueeze(-1)
-            logits = self.scale[l, 2] * upcast(proj[..., 2 * n:]) * rstd + self.base[l, 2 * n:]
-            h_res = torch.softmax(logits, -1) @ self.permutations.to(logits.dtype)
-        return u, post, h_res.unflatten(-1, (n, n))
-
-    def read(self, state, l):
-        u, post, res = self.mixes(state[0], l)
-        state[1] = post, res  # for write()
-        return self.norms[l](u)
-
-    def head(self, state, lm_head):
-        X = state[0]
-        n = self.n
-        # the official mhc_head: the pre-mix's read with n coefficients (the rest of proj zero)
-        proj = F.pad(F.linear(X.flatten(-2), self.head_phi.to(X.dtype)), (0, n * (n + 1)))
-        scale = F.pad(self.head_scale, (0, 2))
-        base = F.pad(self.head_base, (0, n * (n + 1)))
-        u = mhc_pre_mix(X, proj, scale, base, impl=self.impl)[0]
-        return lm_head(self.norm_f(u))
 
 
 RESIDUALS = {
