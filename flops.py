@@ -4,6 +4,7 @@ FLOP accounting, MFU and iso-FLOP sweeps (README: "FLOPs and iso-FLOP sweeps").
     python flops.py config/shakespeare_char_cpu.py --n_layer=8 --budget=3e15   # breakdown; what a budget buys
     python flops.py sweep config/sweep_shakespeare_cpu.py                     # train.py runs at one budget
     python flops.py results docs/sweep_mod_cpu.csv                            # a sweep's tables again, from its CSV
+    python flops.py multiplier out/<sweep>/results.csv                        # compute multipliers of a budgets sweep
 
 Convention. FLOPs count a multiply-add as 2 and are per token of the training sequence (T = block_size):
 - attention sublayer: 2*4*d^2 (q, k, v and output projections) + 2*2*T*d (scores QK^T and the
@@ -230,7 +231,10 @@ SWEEP_DEFAULTS = dict(
     train_config="config/shakespeare_char_cpu.py",  # every run starts from this train.py config
     train_args=[],  # and these --key=value, then the sweep's own
     budget=1e14,  # training FLOPs per run (train.py --max_flops; a run's own max_flops wins); None: max_iters
-    budget_seconds=None,  # instead: seconds of training per run (train.py --max_seconds); set with budget: an error
+    budget_seconds=None,  # instead: seconds of training per run (train.py --max_seconds); set with budget: an error;
+    #                       a list [60, 120, 240]: a budget axis in time, as budgets is in FLOPs
+    budgets=None,  # instead of budget: a list of training FLOPs [1e13, 3e13, 1e14, 3e14], a budget axis; each
+    #              budget's runs in out_root/sweep_name/b<budget>/<run>, and one results.csv with a budget column
     depths=[2, 4, 8],  # n_layer of the grid's cells
     residuals=["prenorm", "nag", "block_attnres"],  # a dense run per residual and depth
     mod_runs=[],  # extra (residual, mod, mod_rate) runs at every depth, e.g. ("nag", "nag", 0.25)
@@ -242,7 +246,7 @@ SWEEP_DEFAULTS = dict(
 )
 FIELDS = ["run", "cell", "seed", "residual", "n_layer", "mod", "mod_rate", "args", "status", "iters", "tokens",
           "flops", "params", "train_flops_per_token", "exec_train", "exec_eval", "eval_flops_per_token", "val_loss",
-          "best_val_loss", "seconds", "s_per_iter"]
+          "best_val_loss", "seconds", "s_per_iter", "budget", "device"]
 GRID_KEYS = ("residual", "n_layer", "mod", "mod_rate", "seed")  # own columns; a cell's other keys go in `args`
 HERE = os.path.dirname(os.path.abspath(__file__))  # train.py runs here
 TRAIN_SCRIPT = "train.py"  # what each run launches, from HERE (tests swap in a fake)
@@ -309,6 +313,7 @@ def run_row(run, cfg, out_dir, status):
     row = {"run": name, "cell": cell, "seed": cfg["seed"], "residual": cfg["residual"], "n_layer": cfg["n_layer"],
            "mod": "" if cfg["mod"] == "none" else cfg["mod"], "mod_rate": cfg["mod_rate"] if cfg["mod"] != "none" else 0.0,
            "args": " ".join(override_args({k: v for k, v in overrides.items() if k not in GRID_KEYS})),
+           "device": cfg.get("device"),
            **(run_result(out_dir) or {"status": status})}
     try:  # train.py prepares the data (and so the vocab) the first time
         config = model_config(cfg)
@@ -327,6 +332,8 @@ def run_sweep(argv):
     sw = configure(argv, SWEEP_DEFAULTS, [(__file__, "SWEEP_DEFAULTS")],
                    "flops.py sweep: train.py runs of a sweep config's cells at one budget each, then results.csv, "
                    ".md and .png; it needs a sweep config, e.g. python flops.py sweep config/sweep_shakespeare_cpu.py")
+    if sw["budgets"] is not None or isinstance(sw["budget_seconds"], (list, tuple)):
+        return run_budget_sweep(argv, sw)
     if sw["budget_seconds"] is not None:  # an equal-time sweep: budget's default (FLOPs) gives way, a set one clashes
         if isinstance(sw["budget_seconds"], bool) or not isinstance(sw["budget_seconds"], (int, float)) \
                 or not sw["budget_seconds"] > 0:
@@ -350,6 +357,42 @@ def run_sweep(argv):
         return _sweep(sw, root, runs, base_argv, cfgs, argv)
     finally:
         os.chdir(cwd)
+
+
+def budget_tag(budget, seconds=False):
+    """A budget's folder name: b1e14 (FLOPs), s120 (seconds)."""
+    return ("s" if seconds else "b") + f"{budget:g}".replace("+", "")
+
+
+def run_budget_sweep(argv, sw):
+    """A sweep over budgets (budgets, or a list budget_seconds): the whole sweep at each budget, smallest
+    first, in out_root/sweep_name/b<budget>/ (each with its own results.csv/.md/.png), then one
+    out_root/sweep_name/results.csv of every run with its budget (flops.py multiplier reads it)."""
+    timed = isinstance(sw["budget_seconds"], (list, tuple))
+    given = dict.fromkeys(SWEEP_DEFAULTS) | configure(argv, dict.fromkeys(SWEEP_DEFAULTS))
+    if sum(given[k] is not None for k in ("budget", "budgets", "budget_seconds")) != 1:
+        raise ConfigError("budget, budgets (FLOPs) and budget_seconds (time) are kinds of sweep: set one of them")
+    values = list(sw["budget_seconds"] if timed else sw["budgets"])
+    if not isinstance(sw["budget_seconds" if timed else "budgets"], (list, tuple)) or not values \
+            or any(isinstance(b, bool) or not isinstance(b, (int, float)) or not b > 0 for b in values) \
+            or len(set(values)) < len(values):
+        raise ConfigError(f"{'budget_seconds' if timed else 'budgets'} must be a list of distinct numbers > 0, "
+                          f"e.g. [1e13, 3e13, 1e14], got {values!r}")
+    rows = []
+    for b in sorted(values):
+        one = [a for a in argv if not a.startswith(("--budgets=", "--budget_seconds=", "--budget=", "--sweep_name="))]
+        one += [f"--sweep_name={os.path.join(sw['sweep_name'], budget_tag(b, timed))}", "--budgets=None",
+                f"--budget_seconds={b!r}" if timed else "--budget_seconds=None",
+                *([] if timed else [f"--budget={b!r}"])]
+        rows += [{**r, "budget": b} for r in run_sweep(one)]
+    path = os.path.join(os.path.abspath(os.path.join(sw["out_root"], sw["sweep_name"])), "results.csv")
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, FIELDS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k, "") for k in FIELDS})
+    print(f"every budget's runs: {path} (python flops.py multiplier {path}: the compute multipliers)", flush=True)
+    return rows
 
 
 def time_left(seconds, left, jobs):
@@ -527,6 +570,8 @@ def significance_lines(cells, baseline=None):
 def write_results(root, runs, cfgs, status, budget, baseline=None, budget_seconds=None):
     """results.csv (a row per run), results.md (results_markdown) and results.png."""
     rows = [run_row(run, cfgs[run[0]], os.path.join(root, run[0]), status[run[0]]) for run in runs]
+    for r in rows:  # the budget column: FLOPs, or seconds in an equal-time sweep (flops.py multiplier reads it)
+        r["budget"] = budget_seconds if budget_seconds is not None else budget
     with open(os.path.join(root, "results.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, FIELDS)
         w.writeheader()
@@ -581,7 +626,8 @@ def read_results(path):
     """The rows of a sweep's results.csv (or a copy of it, as in docs/), typed as write_results made them."""
     if not os.path.isfile(path):
         raise ConfigError(f"no results file {path}: pass a sweep's results.csv (e.g. docs/sweep_mod_cpu.csv)")
-    ints, text = {"seed", "n_layer", "iters", "tokens", "params"}, {"run", "cell", "residual", "mod", "args", "status"}
+    ints = {"seed", "n_layer", "iters", "tokens", "params"}
+    text = {"run", "cell", "residual", "mod", "args", "status", "device"}
     with open(path, newline="") as f:
         return [{k: (v if k in text else None if v == "" else int(v) if k in ints else float(v))
                  for k, v in r.items()} for r in csv.DictReader(f)]
@@ -663,21 +709,276 @@ def plot_results(cells, budget, path):
     plt.close(fig)  # written after every finished run: pyplot would keep each figure alive otherwise
 
 
-COMMANDS = """flops.py: FLOP counts and iso-FLOP sweeps, three commands:
+# -----------------------------------------------------------------------------
+# compute multipliers: how much more compute the baseline needs to reach a cell's loss, from a budget sweep
+
+MULTIPLIER_DEFAULTS = dict(
+    baseline=None,  # the cell each cell is measured against; None: its depth's prenorm cell, else its first
+    boot=1000,  # bootstrap resamples (over seeds, at every budget) for the 95% intervals
+    boot_seed=0,  # the bootstrap's RNG seed: the same CSVs print the same intervals
+    out=None,  # the figure; None: <first csv without .csv>_multiplier.png, beside it
+)
+
+
+class Degenerate(ValueError):
+    """A multiplier that the data cannot give; its message is the one line printed instead of a number."""
+
+
+def power_law(c, e, a, alpha):
+    """L(C) = E + A * C^(-alpha), C in units of the sweep's geometric-mean compute (conditioning)."""
+    return e + a * c ** (-alpha)
+
+
+def fit_curve(groups, p0=None):
+    """The baseline's loss against compute, from its runs at each budget ({budget: [(compute, loss)]},
+    budget_groups): fitted to every run, read at each budget's mean compute and mean loss. Returns
+    (method, inverse, (lo, hi), params): inverse(loss) is the compute at which the curve reaches that loss
+    (None where it never does), lo..hi the range of the baseline's mean losses (outside: extrapolation).
+    method: "power-law fit" (scipy.optimize.curve_fit of E + A C^-alpha) when there are at least 3
+    budgets and the fit converges, else "log-log interpolation" of the budgets' mean losses, with the reason.
+    params: the fit's (E, A, alpha), else None; p0 starts the fit there (the bootstrap: the point fit's).
+    Raises Degenerate for one budget or a mean loss that does not fall with compute."""
+    import numpy as np
+    from scipy.optimize import curve_fit
+    pts = sorted((statistics.mean(x for x, _ in g), statistics.mean(y for _, y in g)) for g in groups.values() if g)
+    cs, means = [c for c, _ in pts], [m for _, m in pts]
+    xs, ys = [x for g in groups.values() for x, _ in g], [y for g in groups.values() for _, y in g]
+    if len(cs) < 2:
+        raise Degenerate("one budget: a multiplier needs the baseline at two budgets or more")
+    if len(set(cs)) < len(cs):
+        raise Degenerate("two budgets spent the same compute: no curve to read compute from")
+    if not all(b < a for a, b in zip(means, means[1:])):
+        raise Degenerate("the baseline's mean loss does not fall with every budget: no curve to read compute from")
+    lo, hi = means[-1], means[0]
+    scale = math.exp(statistics.mean(math.log(c) for c in cs))
+    reason = "fewer than 3 budgets" if len(cs) < 3 else None
+    if reason is None:
+        x = np.asarray(xs, float) / scale
+        y = np.asarray(ys, float)
+        try:
+            with np.errstate(all="ignore"):
+                start = (lo - 0.5 * (hi - lo), hi - lo, 0.3) if p0 is None else \
+                    (min(p0[0], lo - 1e-6 * (hi - lo)), max(p0[1], 1e-9), min(max(p0[2], 2e-3), 4.9))
+                p, cov = curve_fit(power_law, x, y, p0=start,
+                                   bounds=([-np.inf, 0, 1e-3], [lo, np.inf, 5.0]), maxfev=20000)
+            if not np.all(np.isfinite(cov)):
+                reason = "the fit is ill-conditioned (no finite covariance)"
+        except (RuntimeError, ValueError) as err:
+            reason = f"curve_fit failed ({str(err).splitlines()[0][:60]})"
+    if reason is None:
+        e, a, alpha = map(float, p)
+
+        def inverse(loss):
+            return scale * ((loss - e) / a) ** (-1 / alpha) if loss > e else None
+        return f"power-law fit, L = {e:.3f} + {a:.3g} (C/{scale:.3g})^-{alpha:.3f}", inverse, (lo, hi), (e, a, alpha)
+    lc, ll = [math.log(c) for c in cs], [math.log(m) for m in means]
+
+    def inverse(loss):  # log C linear in log L between neighbouring budgets; the end segments beyond
+        i = min(max(next((j for j in range(1, len(ll)) if math.log(loss) >= ll[j]), len(ll) - 1), 1), len(ll) - 1)
+        t = (math.log(loss) - ll[i - 1]) / (ll[i] - ll[i - 1])
+        return math.exp(lc[i - 1] + t * (lc[i] - lc[i - 1]))
+    return f"log-log interpolation ({reason})", inverse, (lo, hi), None
+
+
+def budget_groups(rows, key):
+    """{budget: [(compute, loss)]} of a cell's finished runs; compute is the run's `key` column (flops, or
+    seconds), else its budget."""
+    out = {}
+    for r in rows:
+        if r.get("status") == "done" and r.get("val_loss") is not None:
+            x = r.get(key) if r.get(key) else r.get("budget")
+            if x:
+                out.setdefault(r.get("budget"), []).append((float(x), float(r["val_loss"])))
+    return out
+
+
+def multipliers(base, cell, p0=None):
+    """The multiplier at every budget both have, and overall, for budget groups base and cell ({budget:
+    [(compute, loss)]}, budget_groups). At a budget: the compute C_base where the baseline's curve
+    reaches the cell's mean loss, over the cell's mean compute C. Overall: the geometric mean over the
+    budgets. Returns (method, {budget: (multiplier or None, note)}, overall, the fit's params or None)."""
+    method, inverse, (lo, hi), params = fit_curve(base, p0)
+    at = {}
+    for b in sorted(set(base) & set(cell), key=lambda v: (v is None, v)):
+        c = statistics.mean(x for x, _ in cell[b])
+        loss = statistics.mean(y for _, y in cell[b])
+        cb = inverse(loss)
+        note = "" if lo <= loss <= hi else "extrapolated" if cb is not None else "below the baseline's asymptote"
+        at[b] = (None if cb is None or "interpolation" in method and note else cb / c, note)
+    got = [m for m, _ in at.values() if m is not None]
+    overall = math.exp(statistics.mean(math.log(m) for m in got)) if got else None
+    return method, at, overall, params
+
+
+def bootstrap(base, cell, n, seed, p0=None):
+    """95% intervals of multipliers(): resample each cell's runs at every budget (with replacement, the
+    same count) and refit, n times. Returns ({budget: (lo, hi)}, (lo, hi) overall); None where under
+    half the resamples gave a number."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    draw = lambda g: {b: [runs[i] for i in rng.integers(len(runs), size=len(runs))] for b, runs in g.items()}  # noqa: E731
+    per, overall = {}, []
+    for _ in range(n):
+        try:
+            _, at, o, _ = multipliers(draw(base), draw(cell), p0)
+        except Degenerate:
+            continue
+        for b, (m, _) in at.items():
+            per.setdefault(b, []).append(m if m is not None else float("nan"))
+        overall.append(o if o is not None else float("nan"))
+
+    def ci(v):
+        v = np.asarray(v, float)
+        v = v[np.isfinite(v)]
+        return tuple(float(q) for q in np.percentile(v, [2.5, 97.5])) if len(v) >= n / 2 else None
+    return {b: ci(v) for b, v in per.items()}, ci(overall)
+
+
+def device_label(rows):
+    """The device the seconds were measured on: the CSV's device column, else this CPU."""
+    devices = sorted({r["device"] for r in rows if r.get("device")})
+    if not devices:
+        return "this CPU"
+    return " + ".join("CPU" if d == "cpu" else d for d in devices)
+
+
+def multiplier_table(rows, key, baseline=None, boot=1000, boot_seed=0):
+    """Markdown: each cell's multiplier against its baseline at every budget and overall, with 95%
+    bootstrap intervals, compute = the runs' `key` column (flops: equal FLOPs; seconds: equal time).
+    Also returns {cell: (budgets, multipliers, lows, highs)} for the figure."""
+    cells = aggregate(rows)
+    pairs = {c: b for c, b in baselines(cells, baseline).items() if c != b}
+    by_cell = {}
+    for r in rows:
+        by_cell.setdefault(r["cell"], []).append(r)
+    what = "training FLOPs" if key == "flops" else f"training seconds, measured on {device_label(rows)}"
+    lines = [f"Compute multiplier at equal {'FLOPs' if key == 'flops' else 'time'} (compute = {what}): the "
+             "compute the baseline needs to reach the cell's mean final val loss, over the cell's compute "
+             "(> 1: the cell is worth more compute than it spent). Overall: the geometric mean over the budgets. "
+             f"95% intervals: {boot} bootstrap resamples over seeds at every budget (seed {boot_seed}).", "",
+             "| cell | baseline | budget | multiplier | 95% interval | note | method |", "|" + "---|" * 7]
+    series = {}
+    if not pairs:
+        return "\n".join(lines[:1] + ["", "No cell to compare: every cell is its own depth's baseline "
+                                      "(--baseline=CELL names one)."]) + "\n", series
+    for cell, base in pairs.items():
+        g_base, g_cell = budget_groups(by_cell[base], key), budget_groups(by_cell[cell], key)
+        try:
+            method, at, overall, params = multipliers(g_base, g_cell)
+        except Degenerate as err:
+            lines.append(f"| {cell} | {base} | - | no multiplier: {err} | - | - | - |")
+            continue
+        cis, ci_all = bootstrap(g_base, g_cell, boot, boot_seed, params)
+        fmt = lambda m: "-" if m is None else f"{m:.3g}x"  # noqa: E731
+        fci = lambda c: "-" if c is None else f"{c[0]:.3g}x - {c[1]:.3g}x"  # noqa: E731
+        for b, (m, note) in at.items():
+            shown = fmt(m) if m is not None else f"none: {note}"
+            lines.append(f"| {cell} | {base} | {'-' if b is None else format(b, '.3g')} | "
+                         f"{shown + (f' ({note})' if note and m is not None else '')} | {fci(cis.get(b))} | "
+                         f"{note or '-'} | {method} |")
+        notes = sorted({n for _, n in at.values() if n})
+        shown = (f"none: {', '.join(notes)} at every budget" if overall is None else
+                 fmt(overall) + (f" ({', '.join(notes)})" if notes else ""))
+        lines.append(f"| {cell} | {base} | overall | {shown} "
+                     f"| {fci(ci_all)} | {', '.join(notes) or '-'} | geometric mean over budgets |")
+        bs = [b for b in at if at[b][0] is not None]
+        series[cell] = (bs, [at[b][0] for b in bs], [(cis.get(b) or (None, None))[0] for b in bs],
+                        [(cis.get(b) or (None, None))[1] for b in bs])
+    return "\n".join(lines) + "\n", series
+
+
+def plot_multiplier(rows, key, series, baseline, path):
+    """Loss against compute (log x): every run a point, each cell's fitted curve (or interpolation);
+    then the multiplier against budget with its 95% interval band."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8))
+    by_cell = {}
+    for r in rows:
+        by_cell.setdefault(r["cell"], []).append(r)
+    for i, (cell, rs) in enumerate(by_cell.items()):
+        g = budget_groups(rs, key)
+        pts = [p for runs in g.values() for p in runs]
+        if not pts:
+            continue
+        color = f"C{i % 10}"
+        ax.plot([x for x, _ in pts], [y for _, y in pts], ".", color=color, alpha=0.6)
+        try:
+            method, inverse, (lo, hi), _ = fit_curve(g)
+        except Degenerate:
+            ax.plot([], [], ".", color=color, label=f"{cell} (no curve)")
+            continue
+        ys = np.linspace(lo, hi, 50)  # the curve drawn through its inverse: compute at each loss in range
+        xs = [inverse(y) for y in ys]
+        ax.plot(xs, ys, "-", color=color, label=f"{cell}: {method.split(',')[0]}")
+        if cell in series:
+            bs, ms, los, his = series[cell]
+            bx.plot(bs, ms, "o-", color=color, label=cell)
+            band = [(b, lo_, hi_) for b, lo_, hi_ in zip(bs, los, his) if lo_ is not None]
+            if band:
+                bx.fill_between([b for b, _, _ in band], [v for _, v, _ in band], [v for _, _, v in band],
+                                color=color, alpha=0.2)
+    unit = "training FLOPs" if key == "flops" else f"training seconds ({device_label(rows)})"
+    ax.set_xscale("log")
+    ax.set_xlabel(unit)
+    ax.set_ylabel("final val loss")
+    ax.set_title("loss vs compute (dots: runs; lines: each cell's curve)", fontsize=10)
+    bx.set_xscale("log")
+    bx.axhline(1.0, color="gray", lw=0.8)
+    bx.set_xlabel("budget")
+    bx.set_ylabel("compute multiplier vs baseline")
+    bx.set_title(f"multiplier at equal {'FLOPs' if key == 'flops' else 'time'} (band: 95% bootstrap)", fontsize=10)
+    for a in (ax, bx):
+        a.grid(alpha=0.3)
+        a.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def multiplier(argv):
+    """python flops.py multiplier out/<sweep>/results.csv ... [--baseline=CELL]: each cell's compute
+    multiplier against its baseline at equal FLOPs and at equal time (training seconds), with 95%
+    bootstrap intervals, printed; the figure (FLOPs) beside the first CSV, or --out."""
+    files = [a for a in argv if not a.startswith("-")]
+    cfg = configure([a for a in argv if a.startswith("-")], MULTIPLIER_DEFAULTS, [(__file__, "MULTIPLIER_DEFAULTS")],
+                    "flops.py multiplier: compute multipliers from a budget sweep's results.csv (a sweep config "
+                    "with budgets = [...]), e.g. python flops.py multiplier out/<sweep>/results.csv")
+    if not files:
+        raise ConfigError("flops.py multiplier takes one or more results.csv of a budget sweep, e.g. python flops.py "
+                          "multiplier out/<sweep>/results.csv")
+    rows = [r for path in files for r in read_results(path)]
+    check_baseline(cfg["baseline"], [c["cell"] for c in aggregate(rows)])
+    text, series = multiplier_table(rows, "flops", cfg["baseline"], cfg["boot"], cfg["boot_seed"])
+    timed, _ = multiplier_table(rows, "seconds", cfg["baseline"], cfg["boot"], cfg["boot_seed"])
+    path = cfg["out"] or os.path.splitext(files[0])[0] + "_multiplier.png"
+    if series:
+        plot_multiplier(rows, "flops", series, cfg["baseline"], path)
+    text = text + "\n" + timed + (f"\nfigure: {path}\n" if series else "")
+    print(text, end="")
+    return text
+
+
+COMMANDS = """flops.py: FLOP counts and iso-FLOP sweeps, four commands:
     python flops.py [config/x.py ...] [--key=value ...]       FLOPs per token by component, params, what --budget buys (keys below)
-    python flops.py sweep config/sweep_<name>.py [--key=value]  train.py runs at one FLOP budget, results.csv/.md/.png (python flops.py sweep --help: its keys)
-    python flops.py results out/<sweep>/results.csv ...        a sweep's tables again from its CSVs (python flops.py results --help: its keys)"""
+    python flops.py sweep config/sweep_<name>.py [--key=value]  train.py runs at a FLOP budget (or budgets), results.csv/.md/.png (python flops.py sweep --help: its keys)
+    python flops.py results out/<sweep>/results.csv ...        a sweep's tables again from its CSVs (python flops.py results --help: its keys)
+    python flops.py multiplier out/<sweep>/results.csv ...     compute multipliers (equal FLOPs, equal time) of a budgets sweep, and a figure"""
 
 
 def main(argv):
-    if ("--help" in argv or "-h" in argv) and argv[:1] not in (["sweep"], ["results"]):
+    if ("--help" in argv or "-h" in argv) and argv[:1] not in (["sweep"], ["results"], ["multiplier"]):
         print(COMMANDS)  # the commands; configure then lists the breakdown's keys and exits
-    if argv and not argv[0].startswith("-") and argv[0] not in ("sweep", "results") and "=" not in argv[0] \
+    if argv and not argv[0].startswith("-") and argv[0] not in ("sweep", "results", "multiplier") and "=" not in argv[0] \
             and not os.path.exists(argv[0]):
-        raise ConfigError(f"'{argv[0]}' is neither a command (sweep, results) nor a config file; "
+        raise ConfigError(f"'{argv[0]}' is neither a command (sweep, results, multiplier) nor a config file; "
                           f"python flops.py --help lists the commands")
     if argv[:1] == ["results"]:
         return results(argv[1:])
+    if argv[:1] == ["multiplier"]:
+        return multiplier(argv[1:])
     if argv[:1] == ["sweep"]:
         if all(a.startswith("--") for a in argv[1:]) and "--help" not in argv:  # the defaults alone: hours of runs
             shipped = sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "config", "sweep_*.py")))
