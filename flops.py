@@ -633,18 +633,23 @@ def read_results(path):
                  for k, v in r.items()} for r in csv.DictReader(f)]
 
 
+def csv_verb(argv, verb, defaults, name, what, takes, example):
+    """A verb that reads results.csv files: (the files, its --key=value options, every row of them)."""
+    files = [a for a in argv if not a.startswith("-")]
+    cfg = configure([a for a in argv if a.startswith("-")], defaults, [(__file__, name)],
+                    f"flops.py {verb}: {what}, e.g. python flops.py {verb} {example}")
+    if not files:
+        raise ConfigError(f"flops.py {verb} takes one or more {takes}, e.g. python flops.py {verb} {example}")
+    return files, cfg, [r for path in files for r in read_results(path)]
+
+
 def results(argv):
     """python flops.py results out/<sweep>/results.csv ... [--baseline=CELL]: results.md's tables, from
     the CSVs alone (the run folders are not needed), printed. Several CSVs are read as one sweep, so a
     cell run later (a sweep of its own) is tested against the cells of an earlier one."""
-    files = [a for a in argv if not a.startswith("-")]
-    cfg = configure([a for a in argv if a.startswith("-")], RESULTS_DEFAULTS, [(__file__, "RESULTS_DEFAULTS")],
-                    "flops.py results: a sweep's tables again, from one or more results.csv (read as one sweep), "
-                    "e.g. python flops.py results docs/sweep_mod_cpu.csv")
-    if not files:
-        raise ConfigError("flops.py results takes one or more results.csv, e.g. python flops.py results "
-                          "docs/sweep_mod_cpu.csv")
-    rows = [r for path in files for r in read_results(path)]
+    files, cfg, rows = csv_verb(argv, "results", RESULTS_DEFAULTS, "RESULTS_DEFAULTS",
+                                "a sweep's tables again, from one or more results.csv (read as one sweep)",
+                                "results.csv", "docs/sweep_mod_cpu.csv")
     cells = aggregate(rows)
     check_baseline(cfg["baseline"], [c["cell"] for c in cells])
     text = results_markdown(rows, cells, " + ".join(files), cfg["baseline"])
@@ -942,14 +947,9 @@ def multiplier(argv):
     """python flops.py multiplier out/<sweep>/results.csv ... [--baseline=CELL]: each cell's compute
     multiplier against its baseline at equal FLOPs and at equal time (training seconds), with 95%
     bootstrap intervals, printed; the figure (FLOPs) beside the first CSV, or --out."""
-    files = [a for a in argv if not a.startswith("-")]
-    cfg = configure([a for a in argv if a.startswith("-")], MULTIPLIER_DEFAULTS, [(__file__, "MULTIPLIER_DEFAULTS")],
-                    "flops.py multiplier: compute multipliers from a budget sweep's results.csv (a sweep config "
-                    "with budgets = [...]), e.g. python flops.py multiplier out/<sweep>/results.csv")
-    if not files:
-        raise ConfigError("flops.py multiplier takes one or more results.csv of a budget sweep, e.g. python flops.py "
-                          "multiplier out/<sweep>/results.csv")
-    rows = [r for path in files for r in read_results(path)]
+    files, cfg, rows = csv_verb(argv, "multiplier", MULTIPLIER_DEFAULTS, "MULTIPLIER_DEFAULTS",
+                                "compute multipliers from a budget sweep's results.csv (a sweep config with "
+                                "budgets = [...])", "results.csv of a budget sweep", "out/<sweep>/results.csv")
     check_baseline(cfg["baseline"], [c["cell"] for c in aggregate(rows)])
     text, series = multiplier_table(rows, "flops", cfg["baseline"], cfg["boot"], cfg["boot_seed"])
     timed, _ = multiplier_table(rows, "seconds", cfg["baseline"], cfg["boot"], cfg["boot_seed"])
