@@ -1342,11 +1342,8 @@ class ResidualScalars(PreNorm):
         return []  # lam and beta are vectors
 
     def __init__(self, config):
-        nn.Module.__init__(self)
-        L = config.n_layer
-        self.norms = nn.ModuleList(RMSNorm(config.n_embd, config.kernels) for _ in range(config.n_sublayers))
-        self.norm_f = RMSNorm(config.n_embd, config.kernels)
-        self.scales, self.scaled_init, self.impl = None, True, config.kernels
+        super().__init__(config)  # prenorm's norms
+        L, self.impl = config.n_layer, config.kernels
         depth = torch.arange(L) / max(L - 1, 1)
         nanochat = config.scalars_init == "nanochat"
         self.lam = nn.Parameter(1.15 - 0.10 * depth if nanochat else torch.ones(L))
