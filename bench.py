@@ -8,6 +8,7 @@ Benchmarks that print figures (speed targets are checked here, not in timed test
     python bench.py --section=compile    # eager vs compiled reference vs compiled custom ops, per mode
     python bench.py --section=quickstart # the quickstart command against a nanoGPT-like baseline run
     python bench.py --section=sample     # sampling with a KV cache: one mod=nag model, dense vs routed
+    python bench.py --section=gpu        # every GPU figure in one command (8 minutes): docs/results.md
 
 kernels: forward and forward+backward time of each of the six kernels (rms_norm, nag_update,
 depth_attention, and hc/mhc's mhc_pre_mix, sinkhorn and hc_post_mix, at n = 4 streams), and the
@@ -37,10 +38,26 @@ interleaved pairs; the model of --out_dir's checkpoint, or (no --out_dir) a rand
 tokens set. Prints the time saved against the skipped fraction (target: saved >= 0.8 x skipped) and
 the most any routing of that skipped fraction could save, skipped x (1 - skip-all / dense).
 model and compile also print the saved-activation bytes (each storage once) relative to prenorm.
+gpu (not part of "all"; one CUDA GPU, or --dry_run=True anywhere): every GPU figure from one command,
+within --max_minutes (8), in four parts: correctness (each kernel forward and backward against its
+reference in fp64, fp32 and bf16, at the model's width, an odd width and 4096, no row count a multiple of
+a block, per-element tolerances CHECK_TOL; and for every residual mode one compiled (fullgraph) forward
+and backward with kernels=triton whose loss and gradients must equal eager kernels=torch's), bandwidth
+(each kernel's GB/s against the copy's), modes (a training step of every mode at the 124M shape, bf16,
+eager with the fused kernels, interleaved, then compiled for prenorm and as many modes as fit: ms/iter,
+tokens/s, MFU, peak memory, ratios to prenorm) and mod (MoD at mod_rate 0.25 and 0.5 against dense), the
+targets printed beside the figures. A failed check is a FAIL row and the rest runs. Each row goes to
+--results (docs/results.md) and the JSON beside it (device, versions, command, raw tables) as it is
+measured, both replaced atomically, so a run killed at any point leaves valid files; what the cap left
+out is listed as skipped. --dry_run=True runs the same code at tiny shapes, to out/gpu-dry-run/: on a
+machine without a GPU on the CPU, the kernel checks in Triton's interpreter (the timed parts on the ops'
+CPU implementations). The end prints each part's seconds beside a rough plan of its GPU seconds (gpu_plan).
 Ratios measured in one run are what to compare: absolute times drift on a shared machine.
 """
 
+import contextlib
 import functools
+import json
 import math
 import os
 import re
@@ -54,26 +71,34 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import kernels
-from configurator import ConfigError, configure
-from model import GPT, GPTConfig, RESIDUALS
-import run_config
-from run_config import REPO, pick_device
+if not torch.cuda.is_available():  # the gpu section's dry run runs the kernels in Triton's interpreter on a CPU,
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # which must be on before triton is imported (by kernels)
+import kernels  # noqa: E402
+import flops  # noqa: E402
+from configurator import ConfigError, configure  # noqa: E402
+from model import GPT, GPTConfig, RESIDUALS  # noqa: E402
+import run_config  # noqa: E402
+from run_config import REPO, pick_device  # noqa: E402
 
 DEFAULTS = dict(
-    section="all",  # all (kernels, model, mod) | kernels | model | mod | compile | quickstart | sample
+    section="all",  # all (kernels, model, mod) | kernels | model | mod | compile | quickstart | sample | gpu
     device="auto",  # auto (the GPU if there is one, else the CPU), cpu, cuda, cuda:1, ...
     dtype="auto",  # auto (bf16 or fp16 on a GPU, fp32 on the CPU), float32, bfloat16, float16
     compile=True,  # kernels: also time torch.compile of the references; model, mod: compile the step (GPU only)
     reps=0,  # timed calls per measurement (0: 50 on a GPU, 20 on a CPU)
-    batch_size=0,  # model, mod, compile: sequences per step (0: the section's own)
+    batch_size=0,  # model, mod, compile, gpu: sequences per step (0: the section's own)
     pairs=3,  # quickstart, sample: interleaved pairs of runs
     max_iters=600,  # quickstart: iterations per run
     layers=0,  # model: the depth (0: 12 on a GPU, 4 on a CPU); sample: the random model's (0: 8)
     out_dir="",  # sample: a mod=nag checkpoint's out_dir ("": a random model, --layers deep, --width wide)
     tokens=500,  # sample: tokens per sample
     width=128,  # sample: the random model's width
-    backend="inductor",  # compile: torch.compile's backend (aot_eager compiles in seconds, for a quick check)
+    backend="inductor",  # compile, gpu: torch.compile's backend (aot_eager compiles in seconds, for a quick check)
+    dry_run=False,  # gpu: the whole command in seconds on a CPU (tiny shapes, kernels in Triton's interpreter)
+    results="",  # gpu: the figures' Markdown file, a JSON beside it ("": docs/results.md, dry run out/gpu-dry-run/)
+    max_minutes=8.0,  # gpu: the wall-clock cap, checked between parts and between the items of a part
+    parts="all",  # gpu: all (correctness, bandwidth, modes, mod) or a comma list of them
+    compiled="all",  # gpu: modes also timed compiled, while time is left (all: COMPILE_FIRST, then the rest)
 )
 
 
@@ -117,15 +142,19 @@ def timeit(fn, device, reps, warmup=3, what="a measurement"):
     return median_noting_spread(times, what)
 
 
-def kernel_cases(device, dtype):
+def kernel_cases(device, dtype, shape=None, sinkhorn_repeat=None):
     """(name, inputs, reference, fused kernel, bytes moved forward, bytes moved backward): the public
-    function with impl="torch" (kernels.py's reference) and with impl="triton" (the custom op)."""
+    function with impl="torch" (kernels.py's reference) and with impl="triton" (the custom op).
+    shape: (rows, d), rows = B * T tokens (default: 16K x 768 on a GPU, 2048 x 128 on a CPU). The
+    inputs are well conditioned (depth attention's scores of std about 3, as tests/test_kernels.py
+    makes them), so that the gpu section can hold the kernels to fp32's tolerance on them too."""
     gpu = device.type == "cuda"
-    M, d, S = (16 * 1024, 768, 9) if gpu else (2048, 128, 9)  # rows = B * T tokens; S sources
+    M, d = shape or ((16 * 1024, 768) if gpu else (2048, 128))
+    S = 9  # depth attention's sources
     b = torch.empty((), dtype=dtype).element_size()
 
-    def make(*shapes):
-        return [torch.randn(s, device=device, dtype=dtype).requires_grad_() for s in shapes]
+    def make(*shapes, scale=1.0, shift=0.0):
+        return [(shift + scale * torch.randn(s, device=device)).to(dtype).requires_grad_() for s in shapes]
 
     def impls(fn):
         return lambda *x: fn(*x, impl="torch"), lambda *x: fn(*x, impl="triton")
@@ -143,18 +172,20 @@ def kernel_cases(device, dtype):
     mhc_args = [x_hc, proj, fp32(3, scale=0.01), fp32(K, scale=0.01)]
     post_args = [make((M, n, d))[0], make((M, d))[0], fp32(M, n), torch.softmax(torch.randn(M, n, n, device=device),
                                                                               -1).requires_grad_()]
+    repeat = sinkhorn_repeat or GPTConfig().mhc_sinkhorn_repeat
     return [
-        ("rms_norm", make((M, d), (d,)), *impls(kernels.rms_norm), 2 * M * d * b, 3 * M * d * b),
+        ("rms_norm", [*make((M, d)), *make((d,), scale=0.5, shift=1.0)], *impls(kernels.rms_norm),
+         2 * M * d * b, 3 * M * d * b),
         ("nag_update", [r, u, a], *impls(kernels.nag_update), 3 * M * d * b, 5 * M * d * b),
         # the model's call: a list of sources where they lie; the backward reads them twice
-        ("depth_attention", [make(*[(M, d)] * S), *make((d,), (d,))], *impls(kernels.depth_attention),
-         (S + 1) * M * d * b, (3 * S + 1) * M * d * b),
+        ("depth_attention", [make(*[(M, d)] * S), *make((d,), scale=3 / d ** 0.5), *make((d,), scale=0.3, shift=1.0)],
+         *impls(kernels.depth_attention), (S + 1) * M * d * b, (3 * S + 1) * M * d * b),
         # reads X and its projection, writes u, h_post and the H_res logits; the backward reads X, the
         # projection and the three gradients, and writes X's and the projection's
         ("mhc_pre_mix", mhc_args, *impls(kernels.mhc_pre_mix), M * ((n * d + K + d) * b + (n + n * n) * c),
          M * ((2 * n * d + 2 * K + d) * b + (n + n * n) * c)),
         # the H_res logits (fp32) in, H out; the backward reads the logits and H's gradient, writes theirs
-        ("sinkhorn", [fp32(M, n, n)], *impls(functools.partial(kernels.sinkhorn, repeat=GPTConfig().mhc_sinkhorn_repeat)),
+        ("sinkhorn", [fp32(M, n, n)], *impls(functools.partial(kernels.sinkhorn, repeat=repeat)),
          2 * M * n * n * c, 3 * M * n * n * c),
         # reads X, f and the per-token h_post, H_res, writes X'; the backward reads them and dX', writes
         # the gradients of all four
@@ -163,12 +194,35 @@ def kernel_cases(device, dtype):
     ]
 
 
+def copy_bandwidth(device, reps, nbytes=256 * 2 ** 20):
+    """Bytes per second of a clone of nbytes (read once, written once): what a memory-bound kernel can reach."""
+    x = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return 2 * nbytes / timeit(lambda: x.clone(), device, reps, what="the copy")
+
+
+def kernel_times(name, impl, fn, inputs, device, reps, warmup=3):
+    """Median seconds of fn(*inputs) forward (no grad) and forward + backward; a forward that takes
+    1.5x its forward + backward notes a loaded machine in UNSTEADY."""
+    def fwd():
+        with torch.no_grad():
+            fn(*inputs)
+
+    def fwd_bwd():
+        out = fn(*inputs)
+        out = out if isinstance(out, tuple) else (out,)
+        torch.autograd.backward(out[0], torch.ones_like(out[0]))
+    t_f = timeit(fwd, device, reps, warmup, what=f"{name} {impl} forward")
+    t_fb = timeit(fwd_bwd, device, reps, warmup, what=f"{name} {impl} forward+backward")
+    if t_f > 1.5 * t_fb:  # a forward alone cannot take much longer than forward and backward: load
+        UNSTEADY.append((t_f / t_fb - 1, f"{name} {impl}: the forward alone took {t_f / t_fb:.1f}x its "
+                                         f"forward+backward"))
+    return t_f, t_fb
+
+
 def bench_kernels(device, dtype, use_compile, reps):
     print(f"\n## kernels ({device.type}, {str(dtype).replace('torch.', '')})")
     if device.type == "cuda":
-        x = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device=device)
-        t = timeit(lambda: x.clone(), device, reps)
-        print(f"copy bandwidth: {2 * x.numel() / t / 1e9:.0f} GB/s (clone of 256 MiB)")
+        print(f"copy bandwidth: {copy_bandwidth(device, reps) / 1e9:.0f} GB/s (clone of 256 MiB)")
     print("| kernel | impl | fwd us | fwd GB/s | fwd+bwd us | fwd+bwd GB/s | fwd+bwd vs eager |")
     print("|---|---|---|---|---|---|---|")
     for name, inputs, ref, fused, bytes_fwd, bytes_bwd in kernel_cases(device, dtype):
@@ -179,33 +233,40 @@ def bench_kernels(device, dtype, use_compile, reps):
             impls["triton"] = fused
         eager_total = None
         for impl, fn in impls.items():
-            def fwd():
-                with torch.no_grad():
-                    fn(*inputs)
-
-            def fwd_bwd():
-                out = fn(*inputs)
-                out = out if isinstance(out, tuple) else (out,)
-                torch.autograd.backward(out[0], torch.ones_like(out[0]))
             try:
-                t_f, t_fb = (timeit(fwd, device, reps, what=f"{name} {impl} forward"),
-                             timeit(fwd_bwd, device, reps, what=f"{name} {impl} forward+backward"))
+                t_f, t_fb = kernel_times(name, impl, fn, inputs, device, reps)
             except Exception as e:  # e.g. no C++ compiler for inductor on this CPU
                 print(f"| {name} | {impl} | failed: {type(e).__name__}: {str(e).splitlines()[0][:80]} |||||")
                 continue
-            if t_f > 1.5 * t_fb:  # a forward alone cannot take much longer than forward and backward: load
-                UNSTEADY.append((t_f / t_fb - 1, f"{name} {impl}: the forward alone took {t_f / t_fb:.1f}x its "
-                                                 f"forward+backward"))
             eager_total = eager_total or t_fb
             print(f"| {name} | {impl} | {t_f * 1e6:.0f} | {bytes_fwd / t_f / 1e9:.1f} | {t_fb * 1e6:.0f} "
                   f"| {(bytes_fwd + bytes_bwd) / t_fb / 1e9:.1f} | {eager_total / t_fb:.2f}x |")
 
 
-def time_steps(configs, device, dtype, use_compile, reps, B, backend="inductor"):
+def train_step(config, compiled, device, autocast, B, backend):
+    """One training step (forward, backward, AdamW) of a fresh GPT(config) on a fixed random batch."""
+    torch.manual_seed(0)
+    model = GPT(config).to(device)
+    opt = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95))
+    step_model = torch.compile(model, backend=backend) if compiled else model
+    x = torch.randint(0, config.vocab_size, (B, config.block_size), device=device)
+
+    def step():
+        with autocast:
+            _, loss = step_model(x, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def time_steps(configs, device, dtype, use_compile, reps, B, backend="inductor", until=None, on_error=None):
     """Median seconds of one training step (forward, backward, AdamW) of each GPTConfig in
     `configs` (name -> config, or name -> (config, compile this one?)), and the peak memory (GiB,
     GPU only) of each. All are built (and compiled) first, then timed in interleaved rounds, so
-    drift on a shared machine hits each alike."""
+    drift on a shared machine hits each alike. until(name), when given, is asked before each build:
+    False leaves that config out (time has run out); on_error(name, exception), when given, is told
+    of a config that fails to build or step, which is then left out (else the exception propagates)."""
     gpu = device.type == "cuda"
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     configs = {name: c if isinstance(c, tuple) else (c, use_compile) for name, c in configs.items()}
@@ -217,22 +278,22 @@ def time_steps(configs, device, dtype, use_compile, reps, B, backend="inductor")
     steps, mem = {}, {}
     with torch._dynamo.config.patch(recompile_limit=room):
         for name, (config, compiled) in configs.items():
+            if until is not None and not until(name):
+                continue
             base_mem = torch.cuda.memory_allocated() if gpu else 0
             if gpu:
                 torch.cuda.reset_peak_memory_stats()
-            torch.manual_seed(0)
-            model = GPT(config).to(device)
-            opt = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95))
-            step_model = torch.compile(model, backend=backend) if compiled else model
-            x = torch.randint(0, config.vocab_size, (B, config.block_size), device=device)
-
-            def step(step_model=step_model, opt=opt, x=x):
-                with autocast:
-                    _, loss = step_model(x, x)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            timeit(step, device, 2)  # warm-up: compilation, optimizer state
+            try:
+                step = train_step(config, compiled, device, autocast, B, backend)
+                timeit(step, device, 2)  # warm-up: compilation, optimizer state
+            except Exception as e:  # e.g. out of memory: the other configs still run
+                if on_error is None:
+                    raise
+                on_error(name, e)
+                step = None
+                if gpu:
+                    torch.cuda.empty_cache()
+                continue
             steps[name] = step
             mem[name] = (torch.cuda.max_memory_allocated() - base_mem) / 2 ** 30 if gpu else None
     times = {name: [] for name in steps}
@@ -276,12 +337,14 @@ def saved_activation_bytes(model, idx, compiled=False, dtype=torch.float32):
     return saved["bytes"]
 
 
+GPT2_SHAPE = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50257)  # GPT-2 124M
+
+
 def step_shape(title, device, dtype, use_compile, batch_size, cpu_layers, layers=0):
     """GPTConfig keys and batch size of a timed step: GPT-2 124M on a GPU, quickstart width on a CPU
     (cpu_layers deep); `layers` (--layers), when set, overrides the depth of either."""
     gpu = device.type == "cuda"
-    shape = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50257) if gpu else \
-        dict(n_layer=cpu_layers, n_head=4, n_embd=128, block_size=64, vocab_size=65)
+    shape = dict(GPT2_SHAPE) if gpu else dict(n_layer=cpu_layers, n_head=4, n_embd=128, block_size=64, vocab_size=65)
     if layers:
         shape["n_layer"] = layers
     B = batch_size or (8 if gpu else 12)
@@ -311,13 +374,18 @@ def bench_model(device, dtype, use_compile, reps, batch_size, layers=0):
 MOD_RUNS = [("nag", "nag"), ("prenorm", "router")]  # (residual, mod) timed at each mod_rate
 
 
+def mod_configs(shape, rates, **kw):
+    """{(residual, mod, mod_rate): GPTConfig} of MOD_RUNS at each rate."""
+    return {(r, m, rate): GPTConfig(residual=r, mod=m, mod_rate=rate, **shape, **kw)
+            for r, m in MOD_RUNS for rate in rates}
+
+
 def bench_mod(device, dtype, use_compile, reps, batch_size, rates=(0.0, 0.25, 0.5)):
     """Mixture-of-Depths: step time at each mod_rate relative to the same model at mod_rate 0 (dense).
     Skipped tokens are gathered out of the matmuls, so the ratio is the real saving."""
     gpu = device.type == "cuda"
     shape, B = step_shape("Mixture-of-Depths step", device, dtype, use_compile, batch_size, cpu_layers=8)
-    configs = {(r, m, rate): GPTConfig(residual=r, mod=m, mod_rate=rate, **shape)
-               for r, m in MOD_RUNS for rate in rates}
+    configs = mod_configs(shape, rates)
     times, mem = time_steps(configs, device, dtype, use_compile, reps, B)
     print("| residual | mod | mod_rate | ms/step | vs mod_rate 0 | peak memory GiB |")
     print("|---|---|---|---|---|---|")
@@ -460,7 +528,7 @@ def bench_quickstart(pairs, max_iters, config=QUICKSTART):
     return {name: (median[name], losses[name]) for name in runs}
 
 
-SECTIONS = ("all", "kernels", "model", "mod", "compile", "quickstart", "sample")
+SECTIONS = ("all", "kernels", "model", "mod", "compile", "quickstart", "sample", "gpu")
 COMPILE_VARIANTS = {  # name: (compiled?, kernels)
     "eager": (False, "auto"),
     "compiled reference": (True, "torch"),  # inductor fuses the plain-PyTorch references
@@ -566,13 +634,464 @@ def bench_sample(device, dtype, out_dir, tokens, pairs, layers=0, width=128):
     return {("sample", name): v / tokens for name, v in t.items()}
 
 
+# -----------------------------------------------------------------------------
+# gpu: every GPU figure from one command, each written down as soon as it is measured
+
+GPU_PARTS = {  # part: its share of --max_minutes (the shares of the parts run add up to the cap)
+    "correctness": 3.5,  # each kernel forward and backward against its reference, fp32, bf16; a compiled step per mode
+    "bandwidth": 0.5,  # each kernel's GB/s against the copy bandwidth
+    "modes": 3.0,  # step cost of every residual mode at the 124M shape, eager and compiled, as ratios to prenorm
+    "mod": 1.0,  # Mixture-of-Depths: step time at mod_rate 0.25 and 0.5 against dense
+}
+GPU_SHAPES = dict(  # on a GPU
+    # (rows, d): the model's width, a masked odd width, the widest rows; no row count a multiple of 64 (a block)
+    checks=[(8191, 768), (1003, 65), (67, 4096)],
+    check_model=dict(n_layer=2, n_head=4, n_embd=96, block_size=64, vocab_size=512), check_batch=2,  # 96: masked
+    sinkhorn_repeat=None,  # the model's default (20 iterations)
+    bandwidth=(16 * 1024, 768), copy_bytes=256 * 2 ** 20,
+    steps=GPT2_SHAPE, batch=8,
+)
+DRY_SHAPES = dict(  # --dry_run=True: tiny, for a CPU and Triton's interpreter (one Python program per row)
+    checks=[(5, 24)],
+    check_model=dict(n_layer=1, n_head=2, n_embd=24, block_size=4, vocab_size=65), check_batch=1,
+    sinkhorn_repeat=3,  # the interpreter runs each iteration in Python
+    bandwidth=(64, 32), copy_bytes=2 ** 20,
+    steps=dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65), batch=2,
+)
+CHECK_TOL = {torch.float32: 2e-4, torch.bfloat16: 3e-2}  # per element, by the storage dtype of the tensor compared:
+# |x - ref| <= tol * (scale + |ref|), scale the RMS of ref's row (or of the whole tensor for vectors and per-row
+# scalars), ref in fp64 on the same rounded inputs; tests/test_kernels.py's bounds (fp32: sums of up to 4096 terms
+# that cancel; bf16: 4 units in the last place of 8 significant bits). A dropped term or eps is off by far more.
+MODEL_TOL = 1e-3  # a compiled fp32 step (kernels=triton) against eager kernels=torch: the same sums, in another order
+GPU_VARIANTS = {  # options timed and checked beside the modes
+    "mhc (mhc_res=birkhoff)": dict(residual="mhc", mhc_res="birkhoff"),
+    "prenorm (norm_scaling)": dict(residual="prenorm", norm_scaling=True),
+    "prenorm (value_residual=learned)": dict(residual="prenorm", value_residual="learned"),
+}
+FIRST_COMPILE_S = 60  # a guess at inductor's compile of the 124M model (forward and backward), until one is timed
+STEP_TARGETS = {"nag": 1.02, "block_attnres": 1.03, "attnres": 1.10, "mhc": 1.10}  # step time / prenorm's, at most
+COMPILE_FIRST = ("prenorm", "nag", "block_attnres", "attnres", "mhc")  # the modes with targets compile first
+TARGETS = dict(bandwidth=0.85, mfu=0.50, mod=0.80)  # of the copy bandwidth; prenorm compiled; mod_rate 0.25 / dense
+GPU_COLUMNS = {  # part: (key, header, format) of its table
+    "correctness": [("check", "check", "{}"), ("dtype", "dtype", "{}"), ("shape", "shape", "{}"),
+                    ("result", "result", "{}"), ("error", "worst error", "{:.2e}"), ("tol", "tolerance", "{:.0e}"),
+                    ("where", "where", "{}")],
+    "bandwidth": [("kernel", "kernel", "{}"), ("shape", "shape", "{}"), ("fwd_us", "fwd us", "{:.1f}"),
+                  ("fwd_gbs", "fwd GB/s", "{:.4g}"), ("fwd_bwd_us", "fwd+bwd us", "{:.1f}"),
+                  ("fwd_bwd_gbs", "fwd+bwd GB/s", "{:.4g}"), ("of_copy", "of copy (fwd, fwd+bwd)", "{}"),
+                  ("target", "target", "{}")],
+    "modes": [("residual", "residual", "{}"), ("variant", "variant", "{}"), ("ms", "ms/iter", "{:.2f}"),
+              ("vs_prenorm", "vs prenorm", "{:.3f}x"), ("tokens_s", "tokens/s", "{:,.0f}"), ("mfu", "MFU", "{:.1%}"),
+              ("memory_gib", "peak memory GiB", "{:.2f}"), ("memory_vs_prenorm", "vs prenorm", "{:.2f}x"),
+              ("target", "target", "{}")],
+    "mod": [("residual", "residual", "{}"), ("mod", "mod", "{}"), ("mod_rate", "mod_rate", "{:g}"),
+            ("ms", "ms/iter", "{:.2f}"), ("vs_dense", "vs dense", "{:.3f}x"), ("tokens_s", "tokens/s", "{:,.0f}"),
+            ("memory_gib", "peak memory GiB", "{:.2f}"), ("target", "target", "{}")],
+}
+
+
+GPU_GUESS_S = dict(  # rough seconds per item on one H100-class GPU, for the plan printed beside each part's time
+    kernel_check=1.0,  # Triton compiles a kernel's forward and backward once per dtype and width (~1 s), then ms
+    model_check=15.0,  # inductor compiles a 2-layer model's forward and backward (16 cores), then one step
+    kernel_timing=2.0,  # a bf16 launch shape per kernel, reps x (forward, forward + backward)
+    eager_step=3.0,  # build a 124M model, warm-up, its share of the interleaved rounds
+    compiled_step=FIRST_COMPILE_S,
+)
+
+
+def gpu_plan(parts, compiled):
+    """Rough seconds each part takes on a GPU: its items (GPU_SHAPES, the modes) times GPU_GUESS_S. The dry
+    run's seconds do not scale to a GPU's (Triton's interpreter dominates them; compiles and JIT dominate a
+    GPU's), so the plan counts what each part does instead; the JSON keeps each check's measured seconds."""
+    g, n_modes, n_mod = GPU_GUESS_S, len(RESIDUALS) + len(GPU_VARIANTS), len(MOD_RUNS) * 3
+    plan = dict(correctness=6 * 2 * len(GPU_SHAPES["checks"]) * g["kernel_check"] + n_modes * g["model_check"],
+                bandwidth=6 * g["kernel_timing"], modes=n_modes * g["eager_step"] + len(compiled) * g["compiled_step"],
+                mod=n_mod * g["eager_step"])
+    return {p: plan[p] for p in parts}
+
+
+def atomic_write(path, text):
+    """Write text to path through a temp file and os.replace: a reader (or a killed run) sees the old file or the
+    new one, never a part of one."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def table_cell(value, fmt):
+    return "n/a" if value is None else fmt.format(value)
+
+
+class GPURun:
+    """The gpu section's record and clock. Rows by part, each part's seconds, what did not run: every change
+    rewrites the Markdown file and the JSON beside it, so a run killed at any point leaves both valid, with
+    what it had measured. The cap: a part starts only while the run is inside --max_minutes (the first part
+    always starts), and an item of a part (a check, a kernel, a model) only while the run is inside the
+    shares of GPU_PARTS up to this part, so one slow part does not eat the next ones' time (a part's first
+    item always runs). What did not run is listed as skipped."""
+
+    def __init__(self, path, meta, parts, max_minutes):
+        self.md_path, self.json_path = path, os.path.splitext(path)[0] + ".json"
+        self.t0, self.cap = time.perf_counter(), 60 * max_minutes
+        total, so_far, self.ends = sum(GPU_PARTS[p] for p in parts), 0.0, {}
+        for p in parts:
+            so_far += GPU_PARTS[p]
+            self.ends[p] = self.cap * so_far / total
+        self.data = dict(meta=meta, status="running", pending=list(parts), skipped=[], parts={})
+        self.part, self.first = None, True
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.write()
+
+    def elapsed(self):
+        return time.perf_counter() - self.t0
+
+    def run_part(self, part, fn, *args):
+        """fn(self, *args) as the part `part`, unless the cap has been reached; an exception that escapes
+        it is printed in one line and recorded, and the next part runs."""
+        self.data["pending"].remove(part)
+        if self.data["parts"] and self.elapsed() >= self.cap:
+            self.data["skipped"].append(f"{part} (the {self.cap / 60:g}-minute cap was reached)")
+            print(f"\n## {part}: skipped, the {self.cap / 60:g}-minute cap was reached", flush=True)
+            return self.write()
+        self.part, self.first, self.item_start, t = part, True, None, time.perf_counter()
+        self.data["parts"][part] = dict(seconds=None, rows=[])
+        print(f"\n## {part}")
+        print("| " + " | ".join(h for _, h, _ in GPU_COLUMNS[part]) + " |")
+        print("|" + "---|" * len(GPU_COLUMNS[part]), flush=True)
+        try:
+            fn(self, *args)
+        except Exception as e:  # a bug in the part itself: the parts after it still run
+            self.data["parts"][part]["error"] = one_line(e)
+            print(f"{part} stopped: {one_line(e)}", flush=True)
+        self.data["parts"][part]["seconds"] = time.perf_counter() - t
+        self.write()
+
+    def more(self, item, reserve=0.0):
+        """Whether to run the next item of this part: its first, or one that would end within this part's
+        end if it took as long as the item before it, plus `reserve` seconds; else it is recorded as skipped."""
+        now = self.elapsed()
+        last = now - self.item_start if self.item_start is not None else 0.0
+        if self.first or now + last + reserve < self.ends[self.part]:
+            self.first, self.item_start = False, now
+            return True
+        self.data["skipped"].append(f"{self.part}: {item} (the part's time ran out)")
+        self.write()
+        return False
+
+    def add(self, row):
+        """One row of this part's table: printed, and written to both files."""
+        self.data["parts"][self.part]["rows"].append(row)
+        print("| " + " | ".join(table_cell(row.get(k), f) for k, _, f in GPU_COLUMNS[self.part]) + " |", flush=True)
+        self.write()
+
+    def finish(self):
+        self.data["status"] = "finished"
+        self.data["seconds"] = self.elapsed()
+        self.write()
+        print(f"\n{len(self.data['skipped'])} skipped; figures in {self.md_path} and {self.json_path}")
+        print("| part | seconds here | GPU plan s (rough, gpu_plan) | its share of the cap s |\n|---|---|---|---|")
+        starts = [0.0, *self.ends.values()]
+        for (part, end), start in zip(self.ends.items(), starts):
+            took = self.data["parts"].get(part, {}).get("seconds")
+            took = "skipped" if took is None else f"{took:.1f}"
+            print(f"| {part} | {took} | {self.data['meta']['plan_s'][part]:.0f} | {end - start:.0f} |")
+
+    def write(self):
+        atomic_write(self.json_path, json.dumps(self.data, indent=1, allow_nan=False) + "\n")
+        atomic_write(self.md_path, self.markdown())
+
+    def markdown(self):
+        m, d = self.data["meta"], self.data
+        lines = ["# GPU figures", "",
+                 f"`{m['command']}` on {m['device']}: torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}, "
+                 f"Python {m['python']}; commit {m['commit']}; started {m['started']} (cap {m['max_minutes']:g} min).",
+                 ""]
+        if m["dry_run"]:
+            lines += ["**Dry run**: tiny shapes, the kernels checked in Triton's interpreter on a CPU: these figures "
+                      "test the command, not a GPU.", ""]
+        status = (f"finished in {d['seconds'] / 60:.1f} min" if d["status"] == "finished" else
+                  "running, or cut short while running" + (f" (not started: {', '.join(d['pending'])})"
+                                                           if d["pending"] else ""))
+        skipped = f"Skipped ({len(d['skipped'])}):" if d["skipped"] else "Skipped: nothing."
+        lines += [f"Status: {status}. {skipped}", ""]
+        lines += [f"- {s}" for s in d["skipped"]] + ([""] if d["skipped"] else [])
+        for part, p in d["parts"].items():
+            cols = GPU_COLUMNS[part]
+            took = "running, or cut short" if p["seconds"] is None else f"{p['seconds']:.0f} s"
+            lines += [f"## {part} ({took}; a GPU's rough plan: {m['plan_s'][part]:.0f} s)", "",
+                      "| " + " | ".join(h for _, h, _ in cols) + " |", "|" + "---|" * len(cols)]
+            lines += ["| " + " | ".join(table_cell(r.get(k), f) for k, _, f in cols) + " |" for r in p["rows"]]
+            if "error" in p:
+                lines.append(f"\nThe part stopped: {p['error']}")
+            lines.append("")
+        return "\n".join(lines)
+
+
+def one_line(e):
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+
+
+def finite(x):
+    """x, or None when it is not a finite number (JSON has no nan)."""
+    return x if x is not None and math.isfinite(x) else None
+
+
+def relative_error(x, ref, per_row=True):
+    """Worst |x - ref| / (scale + |ref|) over the elements, in fp64; scale is the RMS of each row of
+    ref ([..., d] tensors, per_row) or of the whole tensor. inf when x has a non-finite value or a wrong shape."""
+    if x is None or x.shape != ref.shape:
+        return math.inf
+    ref = ref.detach().double()
+    err = (x.detach().double() - ref).abs()
+    rowwise = per_row and ref.dim() >= 2 and ref.shape[-1] > 1
+    scale = ref.square().mean(-1, keepdim=True).sqrt() if rowwise else ref.square().mean().sqrt()
+    rel = (err / (scale + ref.abs()).clamp_min(1e-30)).nan_to_num(nan=math.inf)
+    return rel.max().item() if rel.numel() else 0.0
+
+
+def worst_of(pairs):
+    """The result of a check from (where, value, reference, tolerance) tuples: the pair furthest over its
+    tolerance (relative to it) decides."""
+    where, err, tol = max(((w, relative_error(x, ref, per_row), tol) for w, x, ref, tol, per_row in pairs),
+                          key=lambda p: p[1] / p[2])
+    return dict(result="ok" if err <= tol else "FAIL", error=finite(err), tol=tol, where=where)
+
+
+def as_tuple(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+def check_kernel(inputs, ref, fused, seed=0):
+    """The fused kernel's outputs and every input's gradient against the reference in fp64, on the same
+    (rounded) inputs and the same output gradients, each at the tolerance of its own storage dtype."""
+    def leaves(xs, dtype=None):
+        return [[leaves([t], dtype)[0] for t in x] if isinstance(x, list) else
+                x.detach().to(dtype or x.dtype).requires_grad_() for x in xs]
+    a, b = leaves(inputs), leaves(inputs, torch.float64)
+    out_a, out_b = as_tuple(fused(*a)), as_tuple(ref(*b))
+    g = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(o.shape, generator=g).to(o.device, o.dtype) for o in out_a]
+    torch.autograd.backward(out_a, grads)
+    torch.autograd.backward(out_b, [x.double() for x in grads])
+    flat_a = [t for x in a for t in (x if isinstance(x, list) else [x])]
+    flat_b = [t for x in b for t in (x if isinstance(x, list) else [x])]
+    return worst_of([(f"output {i}", x, y, CHECK_TOL[x.dtype], True) for i, (x, y) in enumerate(zip(out_a, out_b))] +
+                    [(f"grad of input {i}", x.grad, y.grad, CHECK_TOL[x.dtype], True)
+                     for i, (x, y) in enumerate(zip(flat_a, flat_b))])
+
+
+def check_model(kw, device, backend, B=2, seed=0):
+    """The loss and every parameter's gradient of one compiled (fullgraph) training forward and backward with
+    kernels=triton against eager kernels=torch: the same weights, moved off init so that every gate and
+    mix matters, and the same batch, in fp32."""
+    results = []
+    for impl in ("triton", "torch"):
+        torch.manual_seed(seed)
+        model = GPT(GPTConfig(kernels=impl, **kw)).to(device)
+        model.stream.perturb(0.2, torch.Generator().manual_seed(seed))
+        run = torch.compile(model, backend=backend, fullgraph=True) if impl == "triton" else model
+        idx = torch.randint(0, kw["vocab_size"], (B, kw["block_size"]), generator=torch.Generator().manual_seed(1))
+        idx = idx.to(device)
+        torch._dynamo.reset()
+        _, loss = run(idx, idx)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    torch._dynamo.reset()
+    (loss, grads), (loss_ref, grads_ref) = results
+    return worst_of([("loss", loss, loss_ref, MODEL_TOL, False)] +
+                    [(f"grad of {n}", grads[n], g, MODEL_TOL, False) for n, g in grads_ref.items() if g is not None])
+
+
+def kernels_on(device):
+    """The Triton kernels for tensors on `device`: on a GPU the custom ops launch them; on a CPU (the dry
+    run) kernels.triton_on_cpu() sends CPU tensors to the launchers too, run in Triton's interpreter."""
+    return contextlib.nullcontext() if device.type == "cuda" else kernels.triton_on_cpu()
+
+
+def dtype_name(dtype):
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+
+
+def check_row(run, row, fn):
+    """Run one check: its row with the result, or FAIL and the exception's first line, and the part goes on.
+    The JSON keeps each check's seconds too (the first of a kernel and dtype includes Triton's compile)."""
+    t = time.perf_counter()
+    try:
+        row.update(fn())
+    except Exception as e:
+        row.update(result="FAIL", error=None, tol=None, where=one_line(e))
+    run.add(dict(row, seconds=time.perf_counter() - t))
+
+
+def gpu_correctness(run, device, shapes, backend):
+    """Part 1: every kernel of kernels.py forward and backward against its reference at each shape, fp32 and
+    bf16; then one compiled training step per residual mode (and option variant) against kernels=torch."""
+    with kernels_on(device):
+        for rows, d in shapes["checks"]:
+            for dtype in (torch.float32, torch.bfloat16):
+                for name, inputs, ref, fused, *_ in kernel_cases(device, dtype, (rows, d), shapes["sinkhorn_repeat"]):
+                    if run.more(f"{name} {dtype_name(dtype)} {rows}x{d}"):
+                        check_row(run, dict(check=name, dtype=dtype_name(dtype), shape=f"{rows}x{d}"),
+                                  functools.partial(check_kernel, inputs, ref, fused))
+        shape = shapes["check_model"]
+        for name, kw in {**{r: dict(residual=r) for r in RESIDUALS}, **GPU_VARIANTS}.items():
+            if kw["residual"] == "mhc" and kw.get("mhc_res", "sinkhorn") == "sinkhorn" and shapes["sinkhorn_repeat"]:
+                kw = dict(kw, mhc_sinkhorn_repeat=shapes["sinkhorn_repeat"])
+            if run.more(f"compiled step {name}"):
+                check_row(run, dict(check=f"compiled step: {name}", dtype="fp32",
+                                    shape=f"L={shape['n_layer']} d={shape['n_embd']} T={shape['block_size']}"),
+                          functools.partial(check_model, {**shape, **kw}, device, backend, shapes["check_batch"]))
+
+
+def gpu_bandwidth(run, device, shapes, reps):
+    """Part 2: each fused kernel's achieved GB/s (bf16, the minimum bytes it must move, kernel_cases) against
+    this device's copy bandwidth."""
+    copy = copy_bandwidth(device, reps, shapes["copy_bytes"])
+    run.add(dict(kernel="copy (clone)", shape=f"{shapes['copy_bytes'] >> 20} MiB", fwd_bwd_gbs=copy / 1e9))
+    rows, d = shapes["bandwidth"]
+    for name, inputs, _, fused, bytes_fwd, bytes_bwd in kernel_cases(device, torch.bfloat16, shapes["bandwidth"]):
+        if not run.more(name):
+            continue
+        row = dict(kernel=name, shape=f"{rows}x{d}")
+        try:
+            t_f, t_fb = kernel_times(name, "triton", fused, inputs, device, reps)
+        except Exception as e:
+            run.add(dict(row, target=f"failed: {one_line(e)}"))
+            continue
+        of_copy = (bytes_fwd / t_f / copy, (bytes_fwd + bytes_bwd) / t_fb / copy)
+        run.add(dict(row, fwd_us=t_f * 1e6, fwd_gbs=bytes_fwd / t_f / 1e9, fwd_bwd_us=t_fb * 1e6,
+                     fwd_bwd_gbs=(bytes_fwd + bytes_bwd) / t_fb / 1e9, of_copy=f"{of_copy[0]:.0%}, {of_copy[1]:.0%}",
+                     target=f">= {TARGETS['bandwidth']:.0%}: {met(min(of_copy), TARGETS['bandwidth'], at_most=False)}"))
+
+
+def met(value, bound, at_most=True):
+    if value is None:
+        return "n/a"
+    return "met" if (value <= bound if at_most else value >= bound) else "not met"
+
+
+def gpu_modes(run, device, shapes, reps, backend, compiled):
+    """Part 3: one training step (bf16 autocast, AdamW) of every residual mode and option variant at the
+    124M shape, eager with the fused kernels, interleaved in one run: ms/iter, tokens/s, MFU and peak memory,
+    as ratios to prenorm. Then the same compiled, for the modes of `compiled` in order, as many as the
+    part's time allows (a compile is the costly part: it is what the cap is checked before)."""
+    shape, B = shapes["steps"], shapes["batch"]
+    modes = {**{r: dict(residual=r) for r in RESIDUALS}, **GPU_VARIANTS}
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    eager = {}
+    for variant, names in (("eager", list(modes)), ("compiled", compiled)):
+        configs = {name: (GPTConfig(kernels="triton", **shape, **modes[name]), variant == "compiled") for name in names}
+        built = []
+
+        def until(name, variant=variant, built=built):  # time left for this build and the timed rounds after it
+            built.append(name)
+            reserve = reps * sum(eager.get(n, 0.0) for n in built)  # the rounds (a compiled step takes less)
+            if variant == "compiled" and len(built) == 1 and device.type == "cuda":
+                reserve += FIRST_COMPILE_S  # the item before was an eager build: no measure of a compile
+            return run.more(f"{variant} {name}", reserve)
+
+        def failed(name, e, variant=variant):
+            run.add(dict(residual=name, variant=variant, target=f"failed: {one_line(e)}"))
+        times, mem = time_steps(configs, device, torch.bfloat16, False, reps, B, backend, until, failed)
+        if variant == "eager":
+            eager = times
+        for name, t in times.items():
+            base, config = times.get("prenorm"), configs[name][0]
+            tokens_s = B * shape["block_size"] / t
+            mfu = flops.mfu(flops.train_flops_per_token(config), tokens_s, device_name)
+            ratio = t / base if base else None
+            target = (f"<= {STEP_TARGETS[name]:.2f}x: {met(ratio, STEP_TARGETS[name])}" if name in STEP_TARGETS else
+                      f"MFU >= {TARGETS['mfu']:.0%}: {met(mfu, TARGETS['mfu'], at_most=False)}"
+                      if (name, variant) == ("prenorm", "compiled") else "")
+            mem_ratio = mem[name] / mem["prenorm"] if mem.get(name) and mem.get("prenorm") else None
+            run.add(dict(residual=name, variant=variant, ms=t * 1e3, vs_prenorm=ratio, tokens_s=tokens_s, mfu=mfu,
+                         memory_gib=mem[name], memory_vs_prenorm=mem_ratio, target=target))
+        del times, mem
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def gpu_mod(run, device, shapes, reps):
+    """Part 4: Mixture-of-Depths, eager with the fused kernels: the step time of nag (mod=nag) and prenorm
+    (mod=router) at mod_rate 0.25 and 0.5 against the same model dense (mod_rate 0), interleaved."""
+    shape, B = shapes["steps"], shapes["batch"]
+    configs = mod_configs(shape, (0.0, 0.25, 0.5), kernels="triton")
+    times, mem = time_steps(configs, device, torch.bfloat16, False, reps, B,
+                            until=lambda name: run.more(f"{name[0]} mod={name[1]} mod_rate={name[2]:g}"),
+                            on_error=lambda name, e: run.add(dict(residual=name[0], mod=name[1], mod_rate=name[2],
+                                                                  target=f"failed: {one_line(e)}")))
+    for (r, m, rate), t in times.items():
+        dense = times.get((r, m, 0.0))
+        ratio = t / dense if dense else None
+        run.add(dict(residual=r, mod=m, mod_rate=rate, ms=t * 1e3, vs_dense=ratio,
+                     tokens_s=B * shape["block_size"] / t, memory_gib=mem[(r, m, rate)],
+                     target=f"<= {TARGETS['mod']:.2f}x: {met(ratio, TARGETS['mod'])}" if rate == 0.25 else ""))
+
+
+def git_commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def bench_gpu(cfg, argv):
+    """--section=gpu: the four parts in order, each row written to --results (Markdown) and the JSON beside
+    it as it is measured; returns the GPURun's data."""
+    dry = cfg["dry_run"]
+    device = pick_device(cfg["device"], "float32")[0]
+    if device.type != "cuda" and not dry:
+        raise ConfigError("--section=gpu needs a CUDA GPU; on a CPU run its dry run: --section=gpu --dry_run=True")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":  # --device=cpu beside a GPU
+        raise ConfigError("a dry run on the CPU checks the kernels in Triton's interpreter: prefix the command "
+                          "with TRITON_INTERPRET=1")
+    parts = list(GPU_PARTS) if cfg["parts"] == "all" else cfg["parts"].split(",")
+    if not parts or not set(parts) <= set(GPU_PARTS):
+        raise ConfigError(f"--parts={cfg['parts']}: give all or a comma list of {', '.join(GPU_PARTS)}")
+    compiled = ([r for r in COMPILE_FIRST if r in RESIDUALS] + [r for r in RESIDUALS if r not in COMPILE_FIRST]
+                if cfg["compiled"] == "all" else [r for r in cfg["compiled"].split(",") if r])
+    if not set(compiled) <= set(RESIDUALS):
+        raise ConfigError(f"--compiled={cfg['compiled']}: give all or a comma list of {', '.join(RESIDUALS)}")
+    if not cfg["max_minutes"] > 0:
+        raise ConfigError(f"--max_minutes={cfg['max_minutes']}: give a positive number of minutes")
+    shapes = dict(DRY_SHAPES if dry else GPU_SHAPES)
+    shapes["batch"] = cfg["batch_size"] or shapes["batch"]
+    backend = cfg["backend"] if device.type == "cuda" else "aot_eager"  # inductor on a CPU: minutes per model
+    reps = cfg["reps"] or (2 if dry else 30)
+    path = cfg["results"] or os.path.join(REPO, *(("out", "gpu-dry-run") if dry else ("docs",)), "results.md")
+    meta = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else
+                f"CPU ({torch.get_num_threads()} threads)", torch=torch.__version__,
+                triton=getattr(kernels.triton, "__version__", None), cuda=torch.version.cuda,
+                python=sys.version.split()[0], command=" ".join(["python bench.py", *argv]), commit=git_commit(),
+                started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), dry_run=dry,
+                max_minutes=cfg["max_minutes"], backend=backend, reps=reps, plan_s=gpu_plan(parts, compiled))
+    print(f"gpu section: {', '.join(parts)} within {cfg['max_minutes']:g} minutes, to {path}")
+    run = GPURun(path, meta, parts, cfg["max_minutes"])
+    jobs = dict(correctness=(gpu_correctness, device, shapes, backend), bandwidth=(gpu_bandwidth, device, shapes, reps),
+                modes=(gpu_modes, device, shapes, reps, backend, compiled), mod=(gpu_mod, device, shapes, reps))
+    for part in parts:
+        run.run_part(part, *jobs[part])
+    run.finish()
+    return run.data
+
+
 def main(argv=None):
     """Print the tables; returns seconds per step by residual mode (model section) and by
     (residual, mod, mod_rate) (mod section), for the sections that ran."""
     cfg = configure(sys.argv[1:] if argv is None else argv, DEFAULTS, [(__file__, "DEFAULTS")])
     if cfg["section"] not in SECTIONS:
         raise ConfigError(f"unknown section '{cfg['section']}'; valid: {', '.join(SECTIONS)}")
+    if cfg["dry_run"] and cfg["section"] != "gpu":
+        raise ConfigError("--dry_run=True is the gpu section's: add --section=gpu")
     UNSTEADY.clear()  # this run's measurements only
+    if cfg["section"] == "gpu":  # not in "all": it writes docs/results.md
+        data = bench_gpu(cfg, sys.argv[1:] if argv is None else argv)
+        warning = load_warning()
+        if warning:
+            print(warning, flush=True)
+        return data
     device, dtype, _ = pick_device(cfg["device"], cfg["dtype"])  # the same rule as train.py's
     dtype = getattr(torch, dtype)
     reps = cfg["reps"] or (50 if device.type == "cuda" else 20)

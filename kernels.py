@@ -43,7 +43,7 @@ kernels="triton" against kernels="torch" (both compiled); there is no separate s
 
 Tests run the Triton kernels on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1, set
 before triton is imported): by calling a launcher (rms_norm_fwd_triton, ...) directly, or with the
-ops' CPU implementations switched off (tests/triton_cpu.py), so that the whole GPU path (op,
+ops' CPU implementations switched off (triton_on_cpu()), so that the whole GPU path (op,
 autograd glue, launchers, kernels) runs on CPU.
 
 All arithmetic is fp32 inside the kernels, whatever the storage dtype (fp32, bf16, fp16); outputs
@@ -51,6 +51,7 @@ are stored in the input's dtype, per-row statistics in fp32. Every kernel handle
 (masked to the next power of two), any number of rows and non-contiguous inputs (copied).
 """
 
+import contextlib
 import math
 from typing import Optional
 
@@ -77,6 +78,23 @@ def use_triton(impl, x):
             raise RuntimeError("kernels='triton' needs the triton package: pip install triton")
         return True
     raise ValueError(f"unknown kernels impl '{impl}'; valid: {', '.join(IMPLS)}")
+
+
+def custom_ops():
+    """Every custom op this file defines (rms_norm, rms_norm_backward, nag_update, ...)."""
+    return [op for op in globals().values() if isinstance(op, torch.library.CustomOpDef)]
+
+
+@contextlib.contextmanager
+def triton_on_cpu():
+    """Inside: CPU tensors take the custom ops' GPU implementations too (the launchers and the kernels,
+    forward and backward), with the ops' CPU implementations (the references) switched off: the exact GPU
+    path on a machine without a GPU, run by Triton's interpreter (TRITON_INTERPRET=1 before triton is
+    imported). For the kernel tests and bench.py's dry run; ops defined later in this file are covered."""
+    with contextlib.ExitStack() as stack:
+        for op in custom_ops():
+            stack.enter_context(op.set_kernel_enabled("cpu", False))
+        yield
 
 
 def upcast(x):

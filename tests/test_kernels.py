@@ -4,7 +4,7 @@ sliced) and storage dtypes; then the custom ops under torch.compile, and the mem
 attention saves.
 
 On CPU the GPU path runs in Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py) inside
-triton_on_cpu() (tests/triton_cpu.py): the public function with impl="triton" -> the custom op ->
+kernels.triton_on_cpu(): the public function with impl="triton" -> the custom op ->
 the Triton launchers and kernels, forward and backward, exactly as on a GPU. The reference is the
 public function with impl="torch": kernels.py's one PyTorch forward and backward per kernel (the
 same functions are the ops' CPU implementation). The interpreter stores fp16 and
@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from triton_cpu import kernel_ops, triton_on_cpu
 
 triton = pytest.importorskip("triton")
 CUDA = torch.cuda.is_available()
@@ -59,7 +58,7 @@ LAYOUTS = ["contiguous", "transposed", "sliced"]
 
 def gpu_path():
     """The Triton kernels: on CPU tensors, through the interpreter."""
-    return contextlib.nullcontext() if CUDA else triton_on_cpu()
+    return contextlib.nullcontext() if CUDA else kernels.triton_on_cpu()
 
 
 def in_layout(t, layout):
@@ -661,7 +660,7 @@ def test_gpu_path_launches_the_triton_kernels(monkeypatch):
 
     for name in LAUNCHED:
         monkeypatch.setattr(kernels, name, Recording(name, getattr(kernels, name)))
-    assert len(kernel_ops()) == 12  # a forward and a backward op per kernel
+    assert len(kernels.custom_ops()) == 12  # a forward and a backward op per kernel
     inputs = kernel_inputs()
     for impl, want in (("torch", set()), ("triton", set(LAUNCHED))):
         launched.clear()

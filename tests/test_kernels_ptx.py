@@ -69,7 +69,7 @@ def planned(arch, dtype, block, full=False):
 
 def exercise(kernels, torch, dtype, d):
     """Every public kernel path once, forward and backward, on CPU tensors of `dtype`, width d,
-    through the GPU path (tests/triton_cpu.py: the custom ops' CUDA implementations, which launch
+    through the GPU path (kernels.triton_on_cpu(): the custom ops' CUDA implementations, which launch
     the kernels). A new public kernel path needs a call here (the coverage check names any kernel
     that no call reaches)."""
     gen = torch.Generator().manual_seed(0)
@@ -78,8 +78,7 @@ def exercise(kernels, torch, dtype, d):
         return torch.randn(*shape, generator=gen).to(dtype).requires_grad_()
 
     rows = (2, 8)  # 16 rows: a multiple of 16, as B * T is in training
-    from triton_cpu import triton_on_cpu  # tests/triton_cpu.py, beside this file
-    with triton_on_cpu():
+    with kernels.triton_on_cpu():
         x = leaf(*rows, d)
         for weight in (leaf(d), None):
             backward(torch, kernels.rms_norm(x, weight, impl="triton"))

@@ -8,12 +8,12 @@ import re
 import pytest
 import torch
 
+import kernels
 import sample
 import run_config
 from configurator import ConfigError
 from model import GPT, routing
 from tiny_checkpoint import BLOCK, make_checkpoint
-from triton_cpu import triton_on_cpu
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_kernels_is_a_run_setting(mod_ckpt, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(InterpretedFunction, "run",
                         lambda self, *a, **kw: launches.append(self) or launch(self, *a, **kw))
     args = ("--temperature=0", "--num_samples=1", "--max_new_tokens=6")
-    with triton_on_cpu():
+    with kernels.triton_on_cpu():
         own = run_sample(tmp_path, capsys, *args)
         n_own = len(launches)
         refs = run_sample(tmp_path, capsys, *args, "--kernels=torch")
