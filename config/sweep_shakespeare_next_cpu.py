@@ -1,17 +1,19 @@
 # The designs of docs/modes.md's "DenseFormer", "Residual scalars", "MUDDFormer" and "Switches from
 # other papers" in the iso-FLOP depth sweep of config/sweep_shakespeare_cpu.py (width 128, 5e12 training
-# FLOPs per run, each design's extra FLOPs counted, so a costlier one trains fewer iterations), at 4
-# and 8 layers, 3 seeds. Read beside prenorm, nag and block_attnres with
-# python flops.py results docs/sweep_shakespeare_cpu.csv docs/sweep_shakespeare_next_cpu.csv
-# 36 runs, two at a time: about 2.5 hours on 2 idle cores (7 to 8 minutes a run, mhc_lite's longer):
+# FLOPs per run, each design's extra FLOPs counted, so a costlier one trains fewer iterations), at 8
+# layers, 3 seeds: the recipe of that sweep, whose prenorm, nag and block_attnres L8 runs are the
+# baseline. At 4 layers the same cells are config/sweep_multiplier_cpu.py's 5e12 budget, beside every
+# other mode. Read beside them with
+# python flops.py results docs/sweep_shakespeare_cpu.csv docs/sweep_shakespeare_next_cpu.csv --baseline=prenorm_L8
+# 18 runs, two at a time: about an hour on 2 idle cores (mhc_lite's and mudd's runs take twice prenorm's):
 # OMP_NUM_THREADS=1 python flops.py sweep config/sweep_shakespeare_next_cpu.py
 
 sweep_name = "sweep_shakespeare_next_cpu"
 train_config = "config/shakespeare_char_cpu.py"
 train_args = ["--device=cpu", "--eval_interval=250", "--eval_iters=20", "--log_interval=250"]
 budget = 5e12
-depths, residuals = [], []  # no grid: the cells are named below, at 4 and 8 layers
-runs = [(f"{name}_L{L}", {**options, "n_layer": L}) for L in (4, 8) for name, options in [
+depths, residuals = [], []  # no grid: the cells are named below
+runs = [(f"{name}_L{L}", {**options, "n_layer": L}) for L in (8,) for name, options in [
     ("dwa", {"residual": "dwa"}),  # DenseFormer, a DWA after every block
     ("scalars", {"residual": "scalars"}),  # nanochat's residual scalars
     ("mudd", {"residual": "mudd"}),  # MUDDFormer, four ways
