@@ -17,7 +17,8 @@ written once) divided by the time. On a GPU compare it with the copy bandwidth p
 Every figure is a median over --reps repeats; when the repeats of a measurement spread by more than
 half their median, or a forward takes 1.5x its forward+backward, a last line warns that the
 machine is loaded and the figures are unreliable.
-model: one training step (forward, backward, AdamW) per mode at the GPT-2 124M shape on a GPU
+model: one training step (forward, backward, AdamW) per mode, and per option of VARIANTS (mhc-lite,
+norm_scaling, value_residual), at the GPT-2 124M shape on a GPU
 (12 layers, 768 wide, 12 heads, T = 1024, bf16, compiled), or at the quickstart shape on a CPU.
 mod: a training step of nag (mod=nag) and prenorm (mod=router) at mod_rate 0, 0.25 and 0.5, at the
 124M shape on a GPU or an 8-layer quickstart-width model on a CPU; the ratio to mod_rate 0 is the saving.
@@ -352,17 +353,25 @@ def step_shape(title, device, dtype, use_compile, batch_size, cpu_layers, layers
     return shape, B
 
 
+VARIANTS = {  # options timed and checked beside the modes (model and gpu sections)
+    "mhc (mhc_res=birkhoff)": dict(residual="mhc", mhc_res="birkhoff"),
+    "prenorm (norm_scaling)": dict(residual="prenorm", norm_scaling=True),
+    "prenorm (value_residual=learned)": dict(residual="prenorm", value_residual="learned"),
+}
+
+
 def bench_model(device, dtype, use_compile, reps, batch_size, layers=0):
     gpu = device.type == "cuda"
     shape, B = step_shape("model step", device, dtype, use_compile, batch_size, cpu_layers=4, layers=layers)
-    configs = {r: GPTConfig(residual=r, **shape) for r in RESIDUALS}
+    configs = {name: GPTConfig(**kw, **shape) for name, kw in {**{r: dict(residual=r) for r in RESIDUALS},
+                                                                 **VARIANTS}.items()}
     times, mem = time_steps(configs, device, dtype, use_compile, reps, B)
     idx = torch.randint(0, shape["vocab_size"], (B, shape["block_size"]), device=device)
     saved = {}
     for residual, config in configs.items():
         torch.manual_seed(0)
         saved[residual] = saved_activation_bytes(GPT(config).to(device), idx, dtype=dtype)
-    print("| residual | ms/step | vs prenorm | peak memory GiB | vs prenorm | saved MiB (eager) | vs prenorm |")
+    print("| residual (option) | ms/step | vs prenorm | peak memory GiB | vs prenorm | saved MiB (eager) | vs prenorm |")
     print("|---|---|---|---|---|---|---|")
     for residual, t in times.items():
         mem_cols = f"{mem[residual]:.2f} | {mem[residual] / mem['prenorm']:.2f}x" if gpu else "n/a (CPU) |"
@@ -663,11 +672,6 @@ CHECK_TOL = {torch.float32: 2e-4, torch.bfloat16: 3e-2}  # per element, by the s
 # scalars), ref in fp64 on the same rounded inputs; tests/test_kernels.py's bounds (fp32: sums of up to 4096 terms
 # that cancel; bf16: 4 units in the last place of 8 significant bits). A dropped term or eps is off by far more.
 MODEL_TOL = 1e-3  # a compiled fp32 step (kernels=triton) against eager kernels=torch: the same sums, in another order
-GPU_VARIANTS = {  # options timed and checked beside the modes
-    "mhc (mhc_res=birkhoff)": dict(residual="mhc", mhc_res="birkhoff"),
-    "prenorm (norm_scaling)": dict(residual="prenorm", norm_scaling=True),
-    "prenorm (value_residual=learned)": dict(residual="prenorm", value_residual="learned"),
-}
 FIRST_COMPILE_S = 60  # a guess at inductor's compile of the 124M model (forward and backward), until one is timed
 STEP_TARGETS = {"nag": 1.02, "block_attnres": 1.03, "attnres": 1.10, "mhc": 1.10}  # step time / prenorm's, at most
 COMPILE_FIRST = ("prenorm", "nag", "block_attnres", "attnres", "mhc")  # the modes with targets compile first
@@ -703,7 +707,7 @@ def gpu_plan(parts, compiled):
     """Rough seconds each part takes on a GPU: its items (GPU_SHAPES, the modes) times GPU_GUESS_S. The dry
     run's seconds do not scale to a GPU's (Triton's interpreter dominates them; compiles and JIT dominate a
     GPU's), so the plan counts what each part does instead; the JSON keeps each check's measured seconds."""
-    g, n_modes, n_mod = GPU_GUESS_S, len(RESIDUALS) + len(GPU_VARIANTS), len(MOD_RUNS) * 3
+    g, n_modes, n_mod = GPU_GUESS_S, len(RESIDUALS) + len(VARIANTS), len(MOD_RUNS) * 3
     plan = dict(correctness=6 * 2 * len(GPU_SHAPES["checks"]) * g["kernel_check"] + n_modes * g["model_check"],
                 bandwidth=6 * g["kernel_timing"], modes=n_modes * g["eager_step"] + len(compiled) * g["compiled_step"],
                 mod=n_mod * g["eager_step"])
@@ -935,7 +939,7 @@ def gpu_correctness(run, device, shapes, backend):
                         check_row(run, dict(check=name, dtype=dtype_name(dtype), shape=f"{rows}x{d}"),
                                   functools.partial(check_kernel, inputs, ref, fused))
         shape = shapes["check_model"]
-        for name, kw in {**{r: dict(residual=r) for r in RESIDUALS}, **GPU_VARIANTS}.items():
+        for name, kw in {**{r: dict(residual=r) for r in RESIDUALS}, **VARIANTS}.items():
             if kw["residual"] == "mhc" and kw.get("mhc_res", "sinkhorn") == "sinkhorn" and shapes["sinkhorn_repeat"]:
                 kw = dict(kw, mhc_sinkhorn_repeat=shapes["sinkhorn_repeat"])
             if run.more(f"compiled step {name}"):
@@ -977,7 +981,7 @@ def gpu_modes(run, device, shapes, reps, backend, compiled):
     as ratios to prenorm. Then the same compiled, for the modes of `compiled` in order, as many as the
     part's time allows (a compile is the costly part: it is what the cap is checked before)."""
     shape, B = shapes["steps"], shapes["batch"]
-    modes = {**{r: dict(residual=r) for r in RESIDUALS}, **GPU_VARIANTS}
+    modes = {**{r: dict(residual=r) for r in RESIDUALS}, **VARIANTS}
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     eager = {}
     for variant, names in (("eager", list(modes)), ("compiled", compiled)):

@@ -378,20 +378,20 @@ def run_budget_sweep(argv, sw):
             or len(set(values)) < len(values):
         raise ConfigError(f"{'budget_seconds' if timed else 'budgets'} must be a list of distinct numbers > 0, "
                           f"e.g. [1e13, 3e13, 1e14], got {values!r}")
-    rows = []
+    rows, path = [], os.path.join(os.path.abspath(os.path.join(sw["out_root"], sw["sweep_name"])), "results.csv")
     for b in sorted(values):
         one = [a for a in argv if not a.startswith(("--budgets=", "--budget_seconds=", "--budget=", "--sweep_name="))]
         one += [f"--sweep_name={os.path.join(sw['sweep_name'], budget_tag(b, timed))}", "--budgets=None",
                 f"--budget_seconds={b!r}" if timed else "--budget_seconds=None",
                 *([] if timed else [f"--budget={b!r}"])]
         rows += [{**r, "budget": b} for r in run_sweep(one)]
-    path = os.path.join(os.path.abspath(os.path.join(sw["out_root"], sw["sweep_name"])), "results.csv")
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, FIELDS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: r.get(k, "") for k in FIELDS})
-    print(f"every budget's runs: {path} (python flops.py multiplier {path}: the compute multipliers)", flush=True)
+        with open(path + ".tmp", "w", newline="") as f:  # after each budget: a sweep cut short keeps what it ran
+            w = csv.DictWriter(f, FIELDS)
+            w.writeheader()
+            for r in rows:
+                w.writerow({k: r.get(k, "") for k in FIELDS})
+        os.replace(path + ".tmp", path)
+        print(f"the budgets so far: {path} (python flops.py multiplier {path}: the compute multipliers)", flush=True)
     return rows
 
 

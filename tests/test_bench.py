@@ -43,11 +43,12 @@ def tiny_steps(monkeypatch):
 
 
 def test_bench_prints_every_kernel_and_mode(capsys, monkeypatch, tiny_steps):
-    saved, measure = [], bench.saved_activation_bytes  # the model table's saved bytes, in RESIDUALS' order
+    saved, measure = [], bench.saved_activation_bytes  # the model table's saved bytes, in its order
     monkeypatch.setattr(bench, "saved_activation_bytes", lambda *args, **kw: saved.append(measure(*args, **kw)) or saved[-1])
     times = bench.main(["--section=all", "--reps=1", "--compile=False", "--batch_size=2"])
     out = capsys.readouterr().out
-    saved = dict(zip(RESIDUALS, saved, strict=True))
+    modes = [*RESIDUALS, *bench.VARIANTS]  # the modes, then the options timed beside them
+    saved = dict(zip(modes, saved, strict=True))
     assert set(RESIDUALS) <= set(times) and all(t > 0 for t in times.values())
     for name in ("rms_norm", "nag_update", "depth_attention", "mhc_pre_mix", "sinkhorn", "hc_post_mix"):
         assert f"| {name} | eager |" in out  # all six kernels (hc/mhc's three were left out)
@@ -57,7 +58,7 @@ def test_bench_prints_every_kernel_and_mode(capsys, monkeypatch, tiny_steps):
     # over prenorm's (attnres keeps every sublayer's output: more than prenorm)
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in out.split("## model step")[1].split("##")[0].splitlines() if line.startswith("| ")}
-    for residual in RESIDUALS:
+    for residual in modes:
         ms, ratio, _, _, saved_mib, saved_ratio = rows[residual]
         assert ratio == f"{times[residual] / times['prenorm']:.2f}x"
         assert saved_mib == f"{saved[residual] / 2 ** 20:.1f}"

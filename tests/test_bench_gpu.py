@@ -108,7 +108,7 @@ def test_gpu_dry_run_writes_every_figure(dry_run):
     # correctness: every kernel in both dtypes and every mode's compiled step (the planted ones: next test)
     checks = [(r["check"], r["dtype"]) for r in rows["correctness"]]
     assert checks == [(name, dtype) for dtype in ("fp32", "bf16") for name in KERNELS] + \
-        [(f"compiled step: {residual}", "fp32") for residual in [*RESIDUALS, *bench.GPU_VARIANTS]]
+        [(f"compiled step: {residual}", "fp32") for residual in [*RESIDUALS, *bench.VARIANTS]]
 
     # bandwidth: the copy, then each kernel against it
     copy, *timed = rows["bandwidth"]
@@ -119,7 +119,7 @@ def test_gpu_dry_run_writes_every_figure(dry_run):
     # modes: every mode eager, the two asked for compiled; each ratio is its own time over prenorm's
     modes = {(r["residual"], r["variant"]): r for r in rows["modes"]}
     tokens = bench.DRY_SHAPES["batch"] * bench.DRY_SHAPES["steps"]["block_size"]
-    assert set(modes) == {(m, "eager") for m in [*RESIDUALS, *bench.GPU_VARIANTS]} | \
+    assert set(modes) == {(m, "eager") for m in [*RESIDUALS, *bench.VARIANTS]} | \
         {("prenorm", "compiled"), ("nag", "compiled")}
     for (residual, variant), r in modes.items():
         assert r["vs_prenorm"] == pytest.approx(r["ms"] / modes[("prenorm", variant)]["ms"])
@@ -167,7 +167,7 @@ def test_gpu_cap_skips_the_parts_after_it(tmp_path, monkeypatch):
     assert saved["skipped"][-3:] == [f"{part} {cap}" for part in ("bandwidth", "modes", "mod")]
     # the correctness items that did not run: 11 kernel checks and every mode's compiled step
     skipped_checks = [s for s in saved["skipped"] if s.startswith("correctness: ")]
-    assert len(skipped_checks) == 6 * 2 - 1 + len(RESIDUALS) + len(bench.GPU_VARIANTS)
+    assert len(skipped_checks) == 6 * 2 - 1 + len(RESIDUALS) + len(bench.VARIANTS)
     assert "correctness: compiled step mudd (the part's time ran out)" in skipped_checks
     assert f"bandwidth {cap}" in text and md_tables(text)["correctness"][0][:4] == ["rms_norm", "fp32", "5x24", "ok"]
     # written as it went: the row was on disk while the run was still running, before the skips and the end

@@ -146,17 +146,26 @@ def test_old_single_budget_csvs_still_load():
                    for ch in line.split("|")[3])
 
 
-def test_budget_sweep_runs_per_budget_folders(data_dir, tmp_path, fake_train):
+def test_budget_sweep_runs_per_budget_folders(data_dir, tmp_path, fake_train, monkeypatch):
     """budgets = [...] runs every cell at each budget (train.py --max_flops) in its own b<budget>/ folder and
-    writes one results.csv with a budget column; a list budget_seconds does so in time (--max_seconds, s<S>/);
-    a list and a single budget together are an error, and so is a repeated budget."""
+    writes one results.csv with a budget column, after each budget (a sweep cut short keeps the budgets it
+    ran); a list budget_seconds does so in time (--max_seconds, s<S>/); a list and a single budget together
+    are an error, and so is a repeated budget."""
     base = tiny_train_config(data_dir, tmp_path)
     cfg = tmp_path / "sweep_budgets.py"
     cfg.write_text(f"train_config = {str(base)!r}\nout_root = {str(tmp_path)!r}\nsweep_name = 'm'\n"
                    "residuals = ['prenorm', 'nag']\ndepths = [1]\nseeds = [1]\nbudget = None\n"
                    "budgets = [2e9, 1e9]\njobs = 2\n")
+    root, seen, run_sweep = tmp_path / "m", [], flops.run_sweep
+
+    def watching(argv):  # the top results.csv as the second budget starts
+        if "--sweep_name=m/b2e09" in argv:
+            with open(root / "results.csv") as f:
+                seen.extend(float(r["budget"]) for r in csv.DictReader(f))
+        return run_sweep(argv)
+    monkeypatch.setattr(flops, "run_sweep", watching)
     rows = flops.run_sweep([str(cfg)])
-    root = tmp_path / "m"
+    assert seen == [1e9, 1e9]
     assert len(rows) == 4 and all(r["status"] == "done" for r in rows)
     for b, tag in ((1e9, "b1e09"), (2e9, "b2e09")):
         for run in ("prenorm_L1_s1", "nag_L1_s1"):
