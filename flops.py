@@ -815,14 +815,24 @@ def multipliers(base, cell, p0=None):
     return method, at, overall, params
 
 
+def trend(at):
+    """How the multiplier changes per doubling of compute: 2^s, s the least-squares slope of log multiplier
+    on log budget over the budgets with a number (at, multipliers()); None with fewer than two."""
+    pts = [(math.log(b), math.log(m)) for b, (m, _) in at.items() if m is not None and b]
+    if len(pts) < 2:
+        return None
+    mx, my = statistics.mean(x for x, _ in pts), statistics.mean(y for _, y in pts)
+    return 2 ** (sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts))
+
+
 def bootstrap(base, cell, n, seed, p0=None):
-    """95% intervals of multipliers(): resample each cell's runs at every budget (with replacement, the
-    same count) and refit, n times. Returns ({budget: (lo, hi)}, (lo, hi) overall); None where under
-    half the resamples gave a number."""
+    """95% intervals of multipliers() and trend(): resample each cell's runs at every budget (with
+    replacement, the same count) and refit, n times. Returns ({budget: (lo, hi)}, (lo, hi) overall,
+    (lo, hi) of the trend); None where under half the resamples gave a number."""
     import numpy as np
     rng = np.random.default_rng(seed)
     draw = lambda g: {b: [runs[i] for i in rng.integers(len(runs), size=len(runs))] for b, runs in g.items()}  # noqa: E731
-    per, overall = {}, []
+    per, overall, trends = {}, [], []
     for _ in range(n):
         try:
             _, at, o, _ = multipliers(draw(base), draw(cell), p0)
@@ -831,12 +841,13 @@ def bootstrap(base, cell, n, seed, p0=None):
         for b, (m, _) in at.items():
             per.setdefault(b, []).append(m if m is not None else float("nan"))
         overall.append(o if o is not None else float("nan"))
+        trends.append(trend(at) or float("nan"))
 
     def ci(v):
         v = np.asarray(v, float)
         v = v[np.isfinite(v)]
         return tuple(float(q) for q in np.percentile(v, [2.5, 97.5])) if len(v) >= n / 2 else None
-    return {b: ci(v) for b, v in per.items()}, ci(overall)
+    return {b: ci(v) for b, v in per.items()}, ci(overall), ci(trends)
 
 
 def device_label(rows):
@@ -860,6 +871,8 @@ def multiplier_table(rows, key, baseline=None, boot=1000, boot_seed=0):
     lines = [f"Compute multiplier at equal {'FLOPs' if key == 'flops' else 'time'} (compute = {what}): the "
              "compute the baseline needs to reach the cell's mean final val loss, over the cell's compute "
              "(> 1: the cell is worth more compute than it spent). Overall: the geometric mean over the budgets. "
+             "Per 2x compute: the factor by which the multiplier changes when the budget doubles (the slope of "
+             "log multiplier on log budget, over the budgets with a number). "
              f"95% intervals: {boot} bootstrap resamples over seeds at every budget (seed {boot_seed}).", "",
              "| cell | baseline | budget | multiplier | 95% interval | note | method |", "|" + "---|" * 7]
     series = {}
@@ -873,7 +886,7 @@ def multiplier_table(rows, key, baseline=None, boot=1000, boot_seed=0):
         except Degenerate as err:
             lines.append(f"| {cell} | {base} | - | no multiplier: {err} | - | - | - |")
             continue
-        cis, ci_all = bootstrap(g_base, g_cell, boot, boot_seed, params)
+        cis, ci_all, ci_trend = bootstrap(g_base, g_cell, boot, boot_seed, params)
         fmt = lambda m: "-" if m is None else f"{m:.3g}x"  # noqa: E731
         fci = lambda c: "-" if c is None else f"{c[0]:.3g}x - {c[1]:.3g}x"  # noqa: E731
         for b, (m, note) in at.items():
@@ -886,6 +899,11 @@ def multiplier_table(rows, key, baseline=None, boot=1000, boot_seed=0):
                  fmt(overall) + (f" ({', '.join(notes)})" if notes else ""))
         lines.append(f"| {cell} | {base} | overall | {shown} "
                      f"| {fci(ci_all)} | {', '.join(notes) or '-'} | geometric mean over budgets |")
+        t = trend(at)
+        verdict = "-" if t is None or ci_trend is None else "grows with compute" if ci_trend[0] > 1 else \
+            "shrinks with compute" if ci_trend[1] < 1 else "no trend at 95%"
+        lines.append(f"| {cell} | {base} | per 2x compute | {fmt(t)} | {fci(ci_trend)} | {verdict} | "
+                     "least squares of log multiplier on log budget |")
         bs = [b for b in at if at[b][0] is not None]
         series[cell] = (bs, [at[b][0] for b in bs], [(cis.get(b) or (None, None))[0] for b in bs],
                         [(cis.get(b) or (None, None))[1] for b in bs])

@@ -80,6 +80,22 @@ def test_multiplier_recovers_known_value_and_time_multiplier(tmp_path):
     assert (tmp_path / "results_multiplier.png").stat().st_size > 0
 
 
+def test_the_trend_says_whether_the_multiplier_grows(tmp_path):
+    """A design worth 1.5x at 1e12 and 2^0.2 = 1.149x more each time compute doubles: the trend row gives
+    1.149 and says it grows; the constant 2x design's interval holds 1 (no trend); one that loses its edge
+    (2^-0.2 per doubling) shrinks."""
+    def drifting(power):
+        return lambda c: base_loss(1.5 * (c / 1e12) ** power * c)
+    path = write_csv(tmp_path / "r.csv", BUDGETS, {"prenorm": (base_loss, 1e-10), "grows": (drifting(0.2), 1e-10),
+                                                   "flat": (two_x, 1e-10), "shrinks": (drifting(-0.2), 1e-10)})
+    text = flops.multiplier([str(path), "--boot=100"]).split("Compute multiplier at equal time")[0]
+    grows, flat, shrinks = (rows_of(text, c)["per 2x compute"] for c in ("grows", "flat", "shrinks"))
+    assert number(grows[3]) == pytest.approx(2 ** 0.2, rel=0.03) and grows[5] == "grows with compute"
+    assert number(shrinks[3]) == pytest.approx(2 ** -0.2, rel=0.03) and shrinks[5] == "shrinks with compute"
+    lo, hi = (number(v) for v in flat[4].split(" - "))
+    assert lo < 1 < hi and flat[5] == "no trend at 95%"
+
+
 def test_extrapolation_is_labelled(tmp_path):
     """At the largest budget the 2x design is below anything the baseline reached: labelled extrapolated,
     never a bare number; a design better than the baseline's asymptote gets no number at all."""
@@ -90,7 +106,9 @@ def test_extrapolation_is_labelled(tmp_path):
     assert top[3].endswith("(extrapolated)") and top[5] == "extrapolated"
     assert "extrapolated" in rows_of(text, "nag")["overall"][3]
     magic = rows_of(text, "magic")
-    assert all(r[3].startswith("none: below the baseline's asymptote") for b, r in magic.items() if b != "overall")
+    assert all(r[3].startswith("none: below the baseline's asymptote") for b, r in magic.items()
+               if b not in ("overall", "per 2x compute"))
+    assert magic["per 2x compute"][3] == "-"  # no number to follow
     assert magic["overall"][3] == "none: below the baseline's asymptote at every budget"
 
 
