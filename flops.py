@@ -797,12 +797,13 @@ def budget_groups(rows, key):
     return out
 
 
-def multipliers(base, cell, p0=None):
+def multipliers(base, cell, p0=None, fit=None):
     """The multiplier at every budget both have, and overall, for budget groups base and cell ({budget:
     [(compute, loss)]}, budget_groups). At a budget: the compute C_base where the baseline's curve
     reaches the cell's mean loss, over the cell's mean compute C. Overall: the geometric mean over the
-    budgets. Returns (method, {budget: (multiplier or None, note)}, overall, the fit's params or None)."""
-    method, inverse, (lo, hi), params = fit_curve(base, p0)
+    budgets. fit: the baseline's fit_curve(), when it is already made. Returns (method, {budget:
+    (multiplier or None, note)}, overall, the fit's params or None)."""
+    method, inverse, (lo, hi), params = fit or fit_curve(base, p0)
     at = {}
     for b in sorted(set(base) & set(cell), key=lambda v: (v is None, v)):
         c = statistics.mean(x for x, _ in cell[b])
@@ -825,19 +826,37 @@ def trend(at):
     return 2 ** (sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts))
 
 
-def bootstrap(base, cell, n, seed, p0=None):
-    """95% intervals of multipliers() and trend(): resample each cell's runs at every budget (with
-    replacement, the same count) and refit, n times. Returns ({budget: (lo, hi)}, (lo, hi) overall,
-    (lo, hi) of the trend); None where under half the resamples gave a number."""
+def resample(rng, groups):
+    """Every budget's runs drawn again with replacement, as many as there are."""
+    return {b: [runs[i] for i in rng.integers(len(runs), size=len(runs))] for b, runs in groups.items()}
+
+
+def baseline_fits(base, n, seed, p0=None):
+    """n bootstrap refits of the baseline's curve (fit_curve), each on its runs resampled at every budget;
+    None for a resample with no curve. Made once per baseline and shared by every cell compared with it."""
     import numpy as np
-    rng = np.random.default_rng(seed)
-    draw = lambda g: {b: [runs[i] for i in rng.integers(len(runs), size=len(runs))] for b, runs in g.items()}  # noqa: E731
-    per, overall, trends = {}, [], []
+    rng, fits = np.random.default_rng(seed), []
     for _ in range(n):
         try:
-            _, at, o, _ = multipliers(draw(base), draw(cell), p0)
+            fits.append(fit_curve(resample(rng, base), p0))
         except Degenerate:
+            fits.append(None)
+    return fits
+
+
+def bootstrap(base, cell, fits, seed):
+    """95% intervals of multipliers() and trend(): with each of the baseline's bootstrap fits
+    (baseline_fits, of base's runs), the cell's runs resampled at every budget (with replacement, the same count).
+    Returns ({budget: (lo, hi)}, (lo, hi) overall, (lo, hi) of the trend); None where under half the
+    resamples gave a number."""
+    import numpy as np
+    rng = np.random.default_rng([seed, 1])
+    per, overall, trends = {}, [], []
+    for fit in fits:
+        drawn = resample(rng, cell)
+        if fit is None:
             continue
+        _, at, o, _ = multipliers(base, drawn, fit=fit)
         for b, (m, _) in at.items():
             per.setdefault(b, []).append(m if m is not None else float("nan"))
         overall.append(o if o is not None else float("nan"))
@@ -846,7 +865,7 @@ def bootstrap(base, cell, n, seed, p0=None):
     def ci(v):
         v = np.asarray(v, float)
         v = v[np.isfinite(v)]
-        return tuple(float(q) for q in np.percentile(v, [2.5, 97.5])) if len(v) >= n / 2 else None
+        return tuple(float(q) for q in np.percentile(v, [2.5, 97.5])) if len(v) >= len(fits) / 2 else None
     return {b: ci(v) for b, v in per.items()}, ci(overall), ci(trends)
 
 
@@ -875,7 +894,7 @@ def multiplier_table(rows, key, baseline=None, boot=1000, boot_seed=0):
              "log multiplier on log budget, over the budgets with a number). "
              f"95% intervals: {boot} bootstrap resamples over seeds at every budget (seed {boot_seed}).", "",
              "| cell | baseline | budget | multiplier | 95% interval | note | method |", "|" + "---|" * 7]
-    series = {}
+    series, fits = {}, {}  # fits: each baseline's bootstrap refits, shared by its cells
     if not pairs:
         return "\n".join(lines[:1] + ["", "No cell to compare: every cell is its own depth's baseline "
                                       "(--baseline=CELL names one)."]) + "\n", series
@@ -886,7 +905,9 @@ def multiplier_table(rows, key, baseline=None, boot=1000, boot_seed=0):
         except Degenerate as err:
             lines.append(f"| {cell} | {base} | - | no multiplier: {err} | - | - | - |")
             continue
-        cis, ci_all, ci_trend = bootstrap(g_base, g_cell, boot, boot_seed, params)
+        if base not in fits:
+            fits[base] = baseline_fits(g_base, boot, boot_seed, params)
+        cis, ci_all, ci_trend = bootstrap(g_base, g_cell, fits[base], boot_seed)
         fmt = lambda m: "-" if m is None else f"{m:.3g}x"  # noqa: E731
         fci = lambda c: "-" if c is None else f"{c[0]:.3g}x - {c[1]:.3g}x"  # noqa: E731
         for b, (m, note) in at.items():
