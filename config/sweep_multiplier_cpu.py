@@ -2,8 +2,8 @@
 # 8x, at one shape, 3 seeds. The shape is the quickstart's (4 layers, width 128, config/shakespeare_char_cpu.py):
 # the depth at which the iso-FLOP sweep (docs/sweep_shakespeare_cpu.csv) finds the designs closest to
 # their best at 5e12 FLOPs, so the curves are not dominated by a too-deep model's slow start, and the one
-# that fits the grid in about 3 hours on 2 cores. The top budget, 5e12, is that sweep's, so its prenorm,
-# nag and block_attnres runs repeat docs/sweep_shakespeare_cpu.csv's L4 runs to the digit; the smallest,
+# that fits the grid in about 3 hours on 2 cores. The top budget, 5e12, is that sweep's: its prenorm and
+# block_attnres runs repeat docs/sweep_shakespeare_cpu.csv's L4 runs to the digit (nag's within 2e-4); the smallest,
 # 6.25e11, is 158 iterations (warm-up stays the recipe's 100). 11 designs x 4 budgets x 3 seeds, 132 runs,
 # two at a time, smallest budget first (resumable: run it again):
 # OMP_NUM_THREADS=1 python flops.py sweep config/sweep_multiplier_cpu.py
