@@ -135,7 +135,7 @@ def plot_weights(out_dir, it=None):
     rows = rec["diagnostics"]
     if not any("depth_weights" in r for r in rows):
         raise ConfigError(f"{out_dir} has no depth weights (residual={rec.get('residual')}; "
-                          "only attnres, block_attnres and dwa runs log them)")
+                          "only attnres, block_attnres, dwa and mudd runs log them)")
     # NaN where a sublayer does not attend that source (sublayer 1 reads the embedding directly)
     w = np.full((len(rows), max(len(r.get("depth_weights", [])) for r in rows)), np.nan)
     for i, r in enumerate(rows):
@@ -146,16 +146,17 @@ def plot_weights(out_dir, it=None):
     for i, j in zip(*np.nonzero(~np.isnan(w))) if w.size <= 200 else []:  # numbers while cells are readable
         ax.text(j, i, f"{w[i, j]:.2f}", ha="center", va="center", fontsize=7,
                 color="white" if w[i, j] < 0.6 * np.nanmax(w) else "black")
-    dwa = rec.get("residual") == "dwa"  # a row is the DWA that sublayer reads: after the block before it
+    # dwa and mudd: a row is the mix that sublayer reads, made after the block before it, over block outputs
+    blocks = rec.get("residual") in ("dwa", "mudd")
     for i in np.nonzero(np.isnan(w).all(1))[0]:  # an empty row would look like missing data
-        ax.text((w.shape[1] - 1) / 2, i, "no DWA before it" if dwa else "reads only the embedding", ha="center",
+        ax.text((w.shape[1] - 1) / 2, i, "no mix before it" if blocks else "reads only the embedding", ha="center",
                 va="center", fontsize=7, color="dimgray")
     ax.set_yticks(range(len(rows)), [f"{r['sublayer']} {r['kind']}" for r in rows])
     ax.set_xticks(range(w.shape[1]))
     if rec.get("residual") == "block_attnres":  # sources are blocks: finished ones, then the current one's sum
         ax.set_xlabel("source block (0 = embedding;\na mid-block row's last: its block so far)")
-    elif dwa:
-        ax.set_xlabel("block output averaged (0 = embedding)")
+    elif blocks:
+        ax.set_xlabel("block output mixed (0 = embedding)")
     else:
         ax.set_xlabel("source: sublayer output (0 = embedding)")
     ax.set_ylabel("sublayer")

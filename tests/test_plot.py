@@ -127,6 +127,17 @@ def test_weights_of_block_attnres_are_over_blocks(tmp_path):
     assert fig.axes[0].get_xlabel().startswith("source block (0 = embedding")
 
 
+@pytest.mark.parametrize("residual", ["dwa", "mudd"])
+def test_weights_of_dwa_and_mudd_are_over_block_outputs(tmp_path, residual):
+    """dwa and mudd mix block outputs after each block: the axis says so, and a row with no mix (before the
+    first block's) says that, not that it reads the embedding."""
+    rows = [{k: v for k, v in r.items() if k != "depth_weights" or r["sublayer"] != 2} for r in ATTNRES]
+    fig = plot.main(["weights", write_run(tmp_path, residual, residual, rows), f"--out={tmp_path / 'w.png'}"])
+    assert fig.axes[0].get_xlabel().startswith("block output mixed (0 = embedding")
+    notes = sorted((t.get_position()[1], t.get_text()) for t in fig.axes[0].texts if "mix" in t.get_text())
+    assert notes == [(0, "no mix before it"), (1, "no mix before it")]
+
+
 def test_weights_errors(runs, tmp_path):
     out = tmp_path / "weights.png"
     with pytest.raises(ConfigError, match="no depth weights.*prenorm"):
