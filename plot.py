@@ -88,23 +88,34 @@ def labels(out_dirs, records):
 
 
 def plot_depth(out_dirs, it=None):
-    """RMS and update size against depth; with an hc or mhc run, a second row: the composite H_res
+    """RMS and update size against depth; with an hc or mhc run, two more panels: the composite H_res
     gain from the embedding to each sublayer (max row sum, solid; max column sum, dashed) and the
-    mean cosine between the n streams (1: collapsed)."""
+    mean cosine between the n streams (1: collapsed); with a scalars run, one more: its residual scalars
+    per block, lambda (solid) and beta (dashed), at the block's attention sublayer."""
     runs = [load_log(d) for d in out_dirs]
     picked = [pick(recs, d, it)["diagnostics"] for d, recs in zip(out_dirs, runs)]
-    streams = any("stream_cos" in r for rows in picked for r in rows)
-    fig, axes = plt.subplots(2 if streams else 1, 2, figsize=(11, 8.2 if streams else 4.2), squeeze=False)
-    (ax_rms, ax_upd) = axes[0]
+    # the panels beyond RMS and update, each {key: the figure a row must have, ylabel}
+    extra = [("gain_fwd", "composite H_res gain"), ("stream_cos", "mean cosine between the n streams"),
+             ("lam", "residual scalars: lambda (solid), beta (dashed)")]
+    extra = [(key, ylabel) for key, ylabel in extra if any(key in r for rows in picked for r in rows)]
+    n_rows = 1 + (len(extra) + 1) // 2
+    fig, axes = plt.subplots(n_rows, 2, figsize=(11, 4.2 if n_rows == 1 else 4.1 * n_rows), squeeze=False)
+    ax_rms, ax_upd, *ax_extra = axes.flat
+    for ax in ax_extra[len(extra):]:
+        ax.set_visible(False)
+    panels = {key: ax for (key, _), ax in zip(extra, ax_extra)}
     for rows, label, colour in zip(picked, labels(out_dirs, runs), mode_colours(runs)):
-        if any("stream_cos" in r for r in rows):
-            hc = [r for r in rows if "gain_fwd" in r]
-            axes[1][0].plot([r["sublayer"] for r in hc], [r["gain_fwd"] for r in hc], marker="o", label=label,
-                            color=colour)
-            axes[1][0].plot([r["sublayer"] for r in hc], [r["gain_bwd"] for r in hc], "--", color=colour)
-            cos = [r for r in rows if "stream_cos" in r]
-            axes[1][1].plot([r["sublayer"] for r in cos], [r["stream_cos"] for r in cos], marker="o", label=label,
-                            color=colour)
+        def draw(key, dashed=None):
+            """This run's `key` against sublayer in its panel; `dashed`: a second figure, same colour."""
+            if key in panels and any(key in r for r in rows):
+                have = [r for r in rows if key in r]
+                x = [r["sublayer"] for r in have]
+                panels[key].plot(x, [r[key] for r in have], marker="o", label=label, color=colour)
+                if dashed:
+                    panels[key].plot(x, [r[dashed] for r in have], "--", color=colour)
+        draw("gain_fwd", dashed="gain_bwd")
+        draw("stream_cos")
+        draw("lam", dashed="beta")
         # the head's row is the stream the head reads: part of the RMS curve, but it makes no update
         ax_rms.plot([r["sublayer"] for r in rows], [r["rms"] for r in rows], marker="o", label=label, color=colour)
         upd = [r for r in rows if "update" in r]
@@ -112,14 +123,14 @@ def plot_depth(out_dirs, it=None):
     ax_rms.set_yscale("log")  # modes differ by orders of magnitude in stream scale
     ax_rms.set_ylabel("RMS of the residual stream entering it")
     ax_upd.set_ylabel(r"relative update $\|x_{l+1} - x_l\| \,/\, \|x_l\|$")
-    if streams:
-        axes[1][0].set_ylabel("composite H_res gain")
-        axes[1][0].set_title("solid: max row sum, dashed: max column sum", fontsize=9)
-        axes[1][1].set_ylabel("mean cosine between the n streams")
-        axes[1][1].legend(fontsize=8)
+    for key, ylabel in extra:
+        panels[key].set_ylabel(ylabel)
+        panels[key].legend(fontsize=8)
+    if "gain_fwd" in panels:
+        panels["gain_fwd"].set_title("solid: max row sum, dashed: max column sum", fontsize=9)
     # a panel whose curves end with the head's row says so; the update panel has none (the head makes no update)
-    keys = {ax_rms: "rms", ax_upd: "update", **({axes[1][0]: "gain_fwd", axes[1][1]: "stream_cos"} if streams else {})}
-    for ax in axes.flat:
+    keys = {ax_rms: "rms", ax_upd: "update", **{ax: key for key, ax in panels.items()}}
+    for ax in keys:
         head = any(rows[-1].get("kind") == "head" and keys[ax] in rows[-1] for rows in picked)
         ax.set_xlabel("sublayer" + (" (last point: the head)" if head else ""))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -105,6 +105,29 @@ def test_depth_draws_the_streams_of_hc_runs(runs, tmp_path):
     assert len(plot.main(["depth", runs["prenorm"], f"--out={tmp_path / 'p.png'}"]).axes) == 2
 
 
+SCALARS = [{**r, **({"lam": 1.0 - 0.1 * r["sublayer"], "beta": 0.05 * r["sublayer"]} if r["kind"] == "attn" else {})}
+           for r in PRENORM]
+
+
+def test_depth_draws_the_residual_scalars(runs, tmp_path):
+    """A scalars run adds a panel: lambda (solid) and beta (dashed) at each block's attention sublayer;
+    beside an mhc run it is a panel of its own after the H_res gain and the cosine, and no other run draws there."""
+    scalars = write_run(tmp_path, "scalars", "scalars", SCALARS)
+    fig = plot.main(["depth", scalars, runs["prenorm"], f"--out={tmp_path / 's.png'}"])
+    visible = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(visible) == 3
+    lam, beta = visible[2].lines
+    assert list(lam.get_xdata()) == [1, 3] and list(lam.get_ydata()) == pytest.approx([0.9, 0.7])
+    assert list(beta.get_ydata()) == pytest.approx([0.05, 0.15]) and beta.get_linestyle() == "--"
+    assert visible[2].get_ylabel().startswith("residual scalars")
+
+    mhc = write_run(tmp_path, "mhc", "mhc", MHC)
+    fig = plot.main(["depth", mhc, scalars, f"--out={tmp_path / 'ms.png'}"])
+    ax_gain, ax_cos, ax_scalars = [ax for ax in fig.axes if ax.get_visible()][2:]
+    assert len(ax_gain.lines) == 2 and len(ax_cos.lines) == 1 and len(ax_scalars.lines) == 2
+    assert list(ax_scalars.lines[0].get_ydata()) == pytest.approx([0.9, 0.7])
+
+
 def test_weights(runs, tmp_path):
     out = tmp_path / "weights.png"
     fig = plot.main(["weights", runs["attnres"], f"--out={out}"])
