@@ -23,7 +23,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, so it runs on a headless box
 import matplotlib.pyplot as plt
 import numpy as np
-from matplotlib.colors import ListedColormap, to_rgb
+from matplotlib.colors import ListedColormap, SymLogNorm, to_rgb
 from matplotlib.ticker import MaxNLocator
 
 from configurator import ConfigError, configure
@@ -121,13 +121,19 @@ def plot_depth(out_dirs, it=None):
         upd = [r for r in rows if "update" in r]
         ax_upd.plot([r["sublayer"] for r in upd], [r["update"] for r in upd], marker="o", label=label, color=colour)
     ax_rms.set_yscale("log")  # modes differ by orders of magnitude in stream scale
+    ax_upd.set_yscale("log")  # the first sublayers' updates dwarf the small embedding they are added to
     ax_rms.set_ylabel("RMS of the residual stream entering it")
     ax_upd.set_ylabel(r"relative update $\|x_{l+1} - x_l\| \,/\, \|x_l\|$")
     for key, ylabel in extra:
         panels[key].set_ylabel(ylabel)
         panels[key].legend(fontsize=8)
     if "gain_fwd" in panels:
-        panels["gain_fwd"].set_title("solid: max row sum, dashed: max column sum", fontsize=9)
+        ax = panels["gain_fwd"]
+        ax.set_title("solid: max row sum, dashed: max column sum", fontsize=9)
+        ax.ticklabel_format(axis="y", useOffset=False)  # mhc's gains sit at 1 within 1e-6: no offset notation
+        lo, hi = ax.get_ylim()
+        if hi - lo < 0.1:
+            ax.set_ylim((lo + hi) / 2 - 0.05, (lo + hi) / 2 + 0.05)
     # a panel whose curves end with the head's row says so; the update panel has none (the head makes no update)
     keys = {ax_rms: "rms", ax_upd: "update", **{ax: key for key, ax in panels.items()}}
     for ax in keys:
@@ -142,23 +148,35 @@ def plot_depth(out_dirs, it=None):
 
 
 def plot_weights(out_dir, it=None):
+    """A run's depth weights as a heat-map, a row per sublayer that reads a mix (and the head), a column per
+    source. Softmax weights (attnres) on a linear scale from 0; signed ones (dwa, mudd: no softmax) on a
+    diverging symmetric-log scale around 0, so that a few large weights do not hide the rest."""
     rec = pick(load_log(out_dir), out_dir, it)
     rows = rec["diagnostics"]
     if not any("depth_weights" in r for r in rows):
         raise ConfigError(f"{out_dir} has no depth weights (residual={rec.get('residual')}; "
                           "only attnres, block_attnres, dwa and mudd runs log them)")
+    # dwa and mudd mix block outputs after each block: only a block's attention sublayer (and the head) reads a mix
+    blocks = rec.get("residual") in ("dwa", "mudd")
+    if blocks:
+        rows = [r for r in rows if r["kind"] != "mlp"]
     # NaN where a sublayer does not attend that source (sublayer 1 reads the embedding directly)
     w = np.full((len(rows), max(len(r.get("depth_weights", [])) for r in rows)), np.nan)
     for i, r in enumerate(rows):
         dw = r.get("depth_weights", [])
         w[i, :len(dw)] = dw
     fig, ax = plt.subplots(figsize=(1.2 + 0.6 * w.shape[1], 1.2 + 0.45 * w.shape[0]))
-    im = ax.imshow(w, cmap="viridis", vmin=0, aspect="auto")
+    if np.nanmin(w) < 0:
+        top = np.nanmax(np.abs(w))
+        norm = SymLogNorm(linthresh=min(0.05, top), vmin=-top, vmax=top)
+        im = ax.imshow(w, cmap="RdBu_r", norm=norm, aspect="auto")
+        dark = lambda v: abs(v) > 0.5 * top  # noqa: E731  (the strong ends of the diverging map)
+    else:
+        im = ax.imshow(w, cmap="viridis", vmin=0, aspect="auto")
+        dark = lambda v: v < 0.6 * np.nanmax(w)  # noqa: E731
     for i, j in zip(*np.nonzero(~np.isnan(w))) if w.size <= 200 else []:  # numbers while cells are readable
         ax.text(j, i, f"{w[i, j]:.2f}", ha="center", va="center", fontsize=7,
-                color="white" if w[i, j] < 0.6 * np.nanmax(w) else "black")
-    # dwa and mudd: a row is the mix that sublayer reads, made after the block before it, over block outputs
-    blocks = rec.get("residual") in ("dwa", "mudd")
+                color="white" if dark(w[i, j]) else "black")
     for i in np.nonzero(np.isnan(w).all(1))[0]:  # an empty row would look like missing data
         ax.text((w.shape[1] - 1) / 2, i, "no mix before it" if blocks else "reads only the embedding", ha="center",
                 va="center", fontsize=7, color="dimgray")
@@ -172,7 +190,7 @@ def plot_weights(out_dir, it=None):
         ax.set_xlabel("source: sublayer output (0 = embedding)")
     ax.set_ylabel("sublayer")
     ax.set_title(f"{rec.get('residual')} depth weights, iter {rec['iter']}", fontsize=10)
-    fig.colorbar(im, ax=ax, label="weight (mean over tokens)")
+    fig.colorbar(im, ax=ax, label="weight (mean over tokens)" + (", symmetric log scale" if np.nanmin(w) < 0 else ""))
     fig.tight_layout()
     return fig
 

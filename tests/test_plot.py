@@ -152,13 +152,26 @@ def test_weights_of_block_attnres_are_over_blocks(tmp_path):
 
 @pytest.mark.parametrize("residual", ["dwa", "mudd"])
 def test_weights_of_dwa_and_mudd_are_over_block_outputs(tmp_path, residual):
-    """dwa and mudd mix block outputs after each block: the axis says so, and a row with no mix (before the
-    first block's) says that, not that it reads the embedding."""
+    """dwa and mudd mix block outputs after each block: the axis says so, the rows are the sublayers that read
+    a mix (each block's attention, and the head), a row with no mix says that, not that it reads the
+    embedding; their weights are signed (no softmax): a diverging colour scale centred at 0."""
     rows = [{k: v for k, v in r.items() if k != "depth_weights" or r["sublayer"] != 2} for r in ATTNRES]
+    rows[2] = {**rows[2], "depth_weights": [-0.2, 0.3, 0.5]}
     fig = plot.main(["weights", write_run(tmp_path, residual, residual, rows), f"--out={tmp_path / 'w.png'}"])
-    assert fig.axes[0].get_xlabel().startswith("block output mixed (0 = embedding")
-    notes = sorted((t.get_position()[1], t.get_text()) for t in fig.axes[0].texts if "mix" in t.get_text())
-    assert notes == [(0, "no mix before it"), (1, "no mix before it")]
+    ax = fig.axes[0]
+    assert ax.get_xlabel().startswith("block output mixed (0 = embedding")
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["1 attn", "3 attn", "5 head"]
+    got = np.ma.filled(ax.images[0].get_array().astype(float), np.nan)
+    np.testing.assert_array_equal(got[1:, :3], [[-0.2, 0.3, 0.5], [0.3, 0.1, 0.2]])
+    notes = [(t.get_position()[1], t.get_text()) for t in ax.texts if "mix" in t.get_text()]
+    assert notes == [(0, "no mix before it")]
+    norm = ax.images[0].norm
+    assert norm.vmin == -norm.vmax == -0.5 and ax.images[0].get_cmap().name == "RdBu_r"
+
+
+def test_weights_of_attnres_keep_a_linear_scale_from_zero(runs, tmp_path):
+    im = plot.main(["weights", runs["attnres"], f"--out={tmp_path / 'w.png'}"]).axes[0].images[0]
+    assert im.norm.vmin == 0 and type(im.norm).__name__ == "Normalize"
 
 
 def test_weights_errors(runs, tmp_path):
