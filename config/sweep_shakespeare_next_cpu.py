@@ -5,7 +5,7 @@
 # baseline. At 4 layers the same cells are config/sweep_multiplier_cpu.py's 5e12 budget, beside every
 # other mode. Read beside them with
 # python flops.py results docs/sweep_shakespeare_cpu.csv docs/sweep_shakespeare_next_cpu.csv --baseline=prenorm_L8
-# 18 runs, two at a time: about an hour on 2 idle cores (mhc_lite's and mudd's runs take twice prenorm's):
+# 18 runs, two at a time: 30 minutes on 2 idle cores (mhc_lite's and mudd's runs take up to twice prenorm's):
 # OMP_NUM_THREADS=1 python flops.py sweep config/sweep_shakespeare_next_cpu.py
 
 sweep_name = "sweep_shakespeare_next_cpu"
