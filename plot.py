@@ -107,8 +107,8 @@ def plot_depth(out_dirs, it=None):
     for rows, label, colour in zip(picked, labels(out_dirs, runs), mode_colours(runs)):
         def draw(key, dashed=None):
             """This run's `key` against sublayer in its panel; `dashed`: a second figure, same colour."""
-            if key in panels and any(key in r for r in rows):
-                have = [r for r in rows if key in r]
+            have = [r for r in rows if key in r]  # a run with the key has its panel: extra holds every key drawn
+            if have:
                 x = [r["sublayer"] for r in have]
                 panels[key].plot(x, [r[key] for r in have], marker="o", label=label, color=colour)
                 if dashed:
@@ -156,8 +156,9 @@ def plot_weights(out_dir, it=None):
     if not any("depth_weights" in r for r in rows):
         raise ConfigError(f"{out_dir} has no depth weights (residual={rec.get('residual')}; "
                           "only attnres, block_attnres, dwa and mudd runs log them)")
-    # dwa and mudd mix block outputs after each block: only a block's attention sublayer (and the head) reads a mix
-    blocks = rec.get("residual") in ("dwa", "mudd")
+    # a mode that mixes block outputs after each block (dwa, mudd) gives no MLP row weights: only a block's
+    # attention sublayer and the head read a mix, so those are the rows
+    blocks = not any("depth_weights" in r for r in rows if r["kind"] == "mlp")
     if blocks:
         rows = [r for r in rows if r["kind"] != "mlp"]
     # NaN where a sublayer does not attend that source (sublayer 1 reads the embedding directly)
@@ -166,7 +167,8 @@ def plot_weights(out_dir, it=None):
         dw = r.get("depth_weights", [])
         w[i, :len(dw)] = dw
     fig, ax = plt.subplots(figsize=(1.2 + 0.6 * w.shape[1], 1.2 + 0.45 * w.shape[0]))
-    if np.nanmin(w) < 0:
+    signed = np.nanmin(w) < 0
+    if signed:
         top = np.nanmax(np.abs(w))
         norm = SymLogNorm(linthresh=min(0.05, top), vmin=-top, vmax=top)
         im = ax.imshow(w, cmap="RdBu_r", norm=norm, aspect="auto")
@@ -190,7 +192,7 @@ def plot_weights(out_dir, it=None):
         ax.set_xlabel("source: sublayer output (0 = embedding)")
     ax.set_ylabel("sublayer")
     ax.set_title(f"{rec.get('residual')} depth weights, iter {rec['iter']}", fontsize=10)
-    fig.colorbar(im, ax=ax, label="weight (mean over tokens)" + (", symmetric log scale" if np.nanmin(w) < 0 else ""))
+    fig.colorbar(im, ax=ax, label="weight (mean over tokens)" + (", symmetric log scale" if signed else ""))
     fig.tight_layout()
     return fig
 

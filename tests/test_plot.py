@@ -152,10 +152,10 @@ def test_weights_of_block_attnres_are_over_blocks(tmp_path):
 
 @pytest.mark.parametrize("residual", ["dwa", "mudd"])
 def test_weights_of_dwa_and_mudd_are_over_block_outputs(tmp_path, residual):
-    """dwa and mudd mix block outputs after each block: the axis says so, the rows are the sublayers that read
-    a mix (each block's attention, and the head), a row with no mix says that, not that it reads the
+    """dwa and mudd mix block outputs after each block, so no MLP row has weights: the axis says so, the rows
+    are the sublayers that read a mix (each block's attention, and the head), a row with no mix says that, not that it reads the
     embedding; their weights are signed (no softmax): a diverging colour scale centred at 0."""
-    rows = [{k: v for k, v in r.items() if k != "depth_weights" or r["sublayer"] != 2} for r in ATTNRES]
+    rows = [{k: v for k, v in r.items() if k != "depth_weights" or r["kind"] != "mlp"} for r in ATTNRES]  # as they log
     rows[2] = {**rows[2], "depth_weights": [-0.2, 0.3, 0.5]}
     fig = plot.main(["weights", write_run(tmp_path, residual, residual, rows), f"--out={tmp_path / 'w.png'}"])
     ax = fig.axes[0]
