@@ -40,7 +40,8 @@ OWN_KEYS = ("init_from", "eval_only", "out_dir", "device", "dtype", "compile", "
 BUDGET_KEYS = ("max_flops", "max_seconds")
 PLAN_KEYS = ("max_iters", "lr_decay_iters", "warmup_iters", "learning_rate", "min_lr", "decay_lr", "weight_decay",
              "beta1", "beta2", "grad_clip", "batch_size", "gradient_accumulation_steps", "dataset", "seed", "dropout",
-             "nag_gate_lr_scale", "nag_gate_decay", "nag_alpha_warmup_tokens")
+             "nag_gate_lr_scale", "nag_gate_decay", "nag_alpha_warmup_tokens", "muon_lr", "muon_momentum",
+             "muon_weight_decay", "muon_adjust_lr")
 
 
 class TrainingStopped(RuntimeError):
@@ -187,6 +188,9 @@ def check_resume_changes(cfg, ckpt_cfg, sources):
             continue
         saved, where = ckpt_cfg[k], sources.get(k)
         from_file = where is not None and not where.startswith("--")
+        if k == "optimizer":  # its state is that optimizer's: the other could not take it
+            raise ConfigError(f"the checkpoint's run trains with optimizer={saved!r}, not {cfg[k]!r}; resume with "
+                              f"--optimizer={saved} or start the {cfg[k]} run in another out_dir")
         if k in BUDGET_KEYS or k == "warmup_iters":
             fix = (f"pass {value_arg(k, saved)} or resume without {where}" if from_file else
                    f"drop --{k}" if where else "resume with the run's settings")

@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels import IMPLS, depth_attention, fp32_math, hc_post_mix, mhc_pre_mix, nag_update, rms_norm, sinkhorn, upcast
+from optim import MuonAdamW
 
 
 @dataclass
@@ -230,7 +231,11 @@ class Residual(nn.Module):
                      every registered class with parameters defines its own (GPT.configure_optimizers
                      refuses to guess), [] when the rule for norms and scalars covers them
       decay_parameters()  its parameters of 2 or more dimensions that are projections and decay like
-                     a Linear's weight; any other such parameter must be in one of the two lists
+                     a Linear's weight; any other such parameter must be in one of the two lists.
+                     Under --optimizer=muon, Muon trains the 2-D ones and its Linear weights
+                     (GPT.hidden_matrices), AdamW everything else
+      mixing_parameters()  its mixing weights and gates: never trained by Muon, whatever their decay
+                     (default: no_decay_parameters(); dwa_decay=True's alpha decays and is still one)
       lr_groups()    [(parameters, lr_scale), ...]: parameters trained at lr_scale times the run's
                      LR, without weight decay ([] : all at the run's LR)
     The rules a mode keeps, each held by a generic test (tests/test_new_mode.py, tests/test_mod.py):
@@ -258,6 +263,9 @@ class Residual(nn.Module):
 
     def decay_parameters(self):
         return []
+
+    def mixing_parameters(self):
+        return self.no_decay_parameters()
 
     def lr_groups(self):
         return []
@@ -468,12 +476,14 @@ class GPT(nn.Module):
             rows[-1]["dead"] = sum(row.get("dead", 0.0) for row in rows[:-1])
         return rows
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, gate_lr_scale=1.0, gate_decay=False):
+    def configure_optimizers(self, weight_decay, learning_rate, betas, gate_lr_scale=1.0, gate_decay=False,
+                             muon=None):
         # weight decay on matrices and embeddings (>= 2-D); none on norms, gains and scalars, nor on what
         # a mode lists in no_decay_parameters(). Groups of their own, without decay, whose "lr_scale" train.py
         # multiplies the scheduled LR by: the mode's lr_groups() (scalars' multipliers), and with
         # gate_lr_scale != 1 the gates of a mode with gate_parameters() (nag); gate_decay=True decays the
-        # gates' matrices (an ablation)
+        # gates' matrices (an ablation). muon (a dict: lr, momentum, weight_decay, adjust_lr_fn), or None
+        # for AdamW alone: Muon trains the hidden matrices (hidden_matrices), AdamW the rest as above
         if (gate_lr_scale != 1.0 or gate_decay) and not hasattr(self.stream, "gate_parameters"):
             raise ValueError(f"gate_lr_scale={gate_lr_scale}, gate_decay={gate_decay} only apply to residual=nag")
         if gate_lr_scale != 1.0 and gate_decay:
@@ -490,14 +500,32 @@ class GPT(nn.Module):
         params = [p for p in self.parameters() if p.requires_grad and id(p) not in apart]
         decay = [p for p in params if p.dim() >= 2 and id(p) not in exempt]
         no_decay = [p for p in params if p.dim() < 2 or id(p) in exempt]
+        matrices = self.hidden_matrices(decay) if muon is not None else []
+        decay = [p for p in decay if id(p) not in {id(q) for q in matrices}]
         groups = [{"params": decay, "weight_decay": weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
         for params, scale in own:
             groups.append({"params": list(params), "weight_decay": 0.0, "lr": learning_rate * scale,
                            "lr_scale": scale})
-        # fused on every device (CPU too): the fastest AdamW, and the one that can skip a step on the
-        # device when handed found_inf (train.py's non-finite-step skip)
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
+        if muon is None:
+            # fused on every device (CPU too): the fastest AdamW, and the one that can skip a step on the
+            # device when handed found_inf (train.py's non-finite-step skip)
+            return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
+        muon = dict(muon)
+        scale = muon.pop("lr") / learning_rate  # the schedule scales Muon's LR as AdamW's
+        matrix_group = {"params": matrices, "lr": learning_rate * scale, "lr_scale": scale}
+        return MuonAdamW([matrix_group], groups, muon, dict(lr=learning_rate, betas=betas))
+
+    def hidden_matrices(self, decayed):
+        """--optimizer=muon: the parameters Muon trains, of the decayed ones: the 2-D weights of hidden
+        layers (attention's and the MLP's, and a mode's projections: decay_parameters() and its Linear
+        weights). Not the token embedding nor the LM head (modded-nanogpt's and nanochat's split), not a
+        mode's mixing_parameters() whatever their decay, and not a matrix with a single row or column (a
+        router's score is a vector: orthogonalising it would only normalise it)."""
+        parts = [part for part in (self.stream, self.mod) if part is not None]
+        outside = {id(self.wte.weight), id(self.lm_head.weight)}
+        outside |= {id(p) for part in parts for p in part.mixing_parameters()}
+        return [p for p in decayed if p.dim() == 2 and min(p.shape) > 1 and id(p) not in outside]
 
     @torch.no_grad()
     def after_step(self, skipped=None):
@@ -1153,6 +1181,11 @@ class MHC(HyperConnections):
     def decay_parameters(self):
         return [self.phi, self.head_phi]  # projections of the flattened streams, as any projection
 
+    def mixing_parameters(self):
+        # every coefficient of the mixes and the projections that make them stays with AdamW under Muon,
+        # head_phi (2-D) as the per-sublayer phi (3-D, which torch's Muon cannot take)
+        return list(self.parameters())
+
     def mixes(self, X, l):
         """(u, h_post, h_res): the read and the coefficients, from one projection of the streams."""
         proj = F.linear(X.flatten(-2), self.phi[l].to(X.dtype))
@@ -1252,6 +1285,9 @@ class DenseFormer(Residual):
 
     def decay_parameters(self):
         return [self.alpha] if self.decay else []
+
+    def mixing_parameters(self):
+        return [self.alpha]  # decayed or not, never a matrix for Muon
 
     def describe(self):
         k, p = self.shape
@@ -1641,7 +1677,7 @@ def block_route(ctx, block, make):
 
 class MoD(nn.Module):
     """A Mixture-of-Depths mode. Besides route(), it declares what a residual mode does (options, check,
-    flops, no_decay_parameters, decay_parameters; see Residual) and planned_fractions(config): per sublayer, the fraction
+    flops, no_decay_parameters, decay_parameters, mixing_parameters; see Residual) and planned_fractions(config): per sublayer, the fraction
     of tokens that FLOP plans count (counted_dense: no fixed capacity, so dense is an upper bound)."""
     options, counted_dense, unused_parameters, vector_flops, routed_flops = {}, False, False, (), ()
 
@@ -1658,6 +1694,9 @@ class MoD(nn.Module):
 
     def decay_parameters(self):
         return []
+
+    def mixing_parameters(self):
+        return self.no_decay_parameters()
 
     def routing_score(self, stream, state, l, scores):
         """routing(): what sublayer l is routed on, or None."""

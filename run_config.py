@@ -53,6 +53,13 @@ DEFAULTS = dict(
     weight_decay=1e-1,  # AdamW's, on the matrices (not on norms, gains and biases)
     beta1=0.9,  # AdamW's first-moment decay
     beta2=0.95,  # AdamW's second-moment decay
+    # the optimizer: 'adamw' trains everything; 'muon' trains the hidden matrices with Muon (torch.optim.Muon)
+    # and the rest with AdamW (modded-nanogpt's and nanochat's split; docs/training.md, "Muon")
+    optimizer="adamw",  # 'adamw' or 'muon'
+    muon_lr=0.02,  # Muon's peak LR, scheduled as learning_rate is (nanochat's matrix_lr 0.02)
+    muon_momentum=0.95,  # Muon's Nesterov momentum (nanochat, modded-nanogpt: 0.95)
+    muon_weight_decay=0.0,  # Muon's decoupled weight decay, times its LR (nanochat's Muon: none)
+    muon_adjust_lr="original",  # 'original': LR x sqrt(max(1, rows/cols)) (Keller Jordan's, nanochat's); 'match_rms_adamw': Moonshot's 0.2 sqrt(max(rows, cols))
     # residual=nag only: nag-nanochat's training recipe (README, "Fidelity"). nag_gate_lr_scale: the reference's
     # gate LR 1e-3 is 0.05 x its Muon matrix LR (0.02), about 1x our AdamW LR (6e-4 .. 1e-3): so 1 here
     nag_gate_lr_scale=1.0,  # LR of alpha and the modulators = this x the scheduled LR (1: the reference's)
@@ -112,6 +119,7 @@ def check_training_values(cfg, master=None):
     for key, example in (("beta1", 0.9), ("beta2", 0.95)):
         need(_number(cfg[key]) and 0 <= cfg[key] < 1, key, "in [0, 1) (AdamW's moment decay)", example)
     need(_number(cfg["weight_decay"]) and cfg["weight_decay"] >= 0, "weight_decay", "a number >= 0 (0: none)", 0.1)
+    check_muon_values(cfg, need)
     need(_number(cfg["grad_clip"]) and cfg["grad_clip"] >= 0, "grad_clip", "a number >= 0 (0: no clipping)", 1.0)
     need(isinstance(cfg["warmup_iters"], int) and not isinstance(cfg["warmup_iters"], bool)
          and cfg["warmup_iters"] >= 0, "warmup_iters", "a whole number >= 0 (0: no warm-up)", 100)
@@ -130,6 +138,34 @@ def check_training_values(cfg, master=None):
     if cfg["kernels"] == "triton" and (cfg["device"] == "cpu" or (cfg["device"] == "auto"
                                                                   and not torch.cuda.is_available())):
         print(KERNELS_ON_CPU, file=sys.stderr, flush=True)
+
+
+MUON_KEYS = ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_adjust_lr")
+MUON_ADJUST_LR = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
+
+
+def check_muon_values(cfg, need):
+    """optimizer and the muon_* keys (muon_* only with optimizer=muon: a one-line error, not a silent no-op)."""
+    need(cfg["optimizer"] in ("adamw", "muon"), "optimizer", "'adamw' or 'muon'", "muon")
+    if cfg["optimizer"] != "muon":
+        for key in MUON_KEYS:
+            if cfg[key] != DEFAULTS[key]:
+                raise ConfigError(f"{key}={cfg[key]!r} only applies to optimizer=muon; add --optimizer=muon or drop it")
+        return
+    need(_number(cfg["muon_lr"]) and cfg["muon_lr"] > 0, "muon_lr", "a number > 0 (Muon's peak LR)", 0.02)
+    need(_number(cfg["muon_momentum"]) and 0 <= cfg["muon_momentum"] < 1, "muon_momentum", "in [0, 1)", 0.95)
+    need(_number(cfg["muon_weight_decay"]) and cfg["muon_weight_decay"] >= 0, "muon_weight_decay",
+         "a number >= 0 (0: none)", 0.0)
+    need(cfg["muon_adjust_lr"] in MUON_ADJUST_LR, "muon_adjust_lr", " or ".join(map(repr, MUON_ADJUST_LR)),
+         "original")
+
+
+def muon_settings(cfg):
+    """GPT.configure_optimizers' muon argument from a checked configuration (None: AdamW alone)."""
+    if cfg["optimizer"] != "muon":
+        return None
+    return dict(lr=cfg["muon_lr"], momentum=cfg["muon_momentum"], weight_decay=cfg["muon_weight_decay"],
+                adjust_lr_fn=cfg["muon_adjust_lr"])
 
 
 KERNELS_ON_CPU = ("note: kernels=triton on the CPU runs each fused op's CPU implementation, which is the "

@@ -40,7 +40,7 @@ from guards import (Interrupted, StopSignals, TrainingStopped, ZeroGradientCheck
                     set_aside_previous_run, write_run_record)
 from model import GPT
 from run_config import (DEFAULTS, EVAL_SEED, HELP_FROM, find_data, get_batch, load_checkpoint, model_config,
-                        pick_device, save_checkpoint)
+                        muon_settings, pick_device, save_checkpoint)
 
 WARMUP_CAP = 0.1  # with max_flops, warmup_iters is at most this fraction of the budget's iterations (rounded up)
 POSITIVE_KEYS = ("batch_size", "gradient_accumulation_steps", "eval_interval", "log_interval", "eval_iters")
@@ -207,7 +207,7 @@ def train_step(model, raw_model, optimizer, scaler, batches, stats, accum, autoc
     (a device tensor, divided by accum). A non-finite gradient norm (a NaN/inf loss too: its gradients
     are NaN) skips the step on the device: fused AdamW (configure_optimizers builds it on every device),
     given found_inf (the flag GradScaler hands it), leaves parameters, moments and step counts exactly as
-    they were, and the model's after_step keeps a mode's own state (skip_middle's controller: lam, mu).
+    they were (so does optim.py's Muon, under --optimizer=muon), and the model's after_step keeps a mode's own state (skip_middle's controller: lam, mu).
     Gradients are all-reduced before the norm, so every DDP rank skips the same steps.
     stats counts a skipped step as bad, except with fp16 (the grad scaler on): there a finite loss
     whose scaled gradients overflowed is the scaler's normal business (update() lowers the scale; not
@@ -234,7 +234,7 @@ def train_step(model, raw_model, optimizer, scaler, batches, stats, accum, autoc
     else:
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     found_inf = (~torch.isfinite(grad_norm)).float()
-    optimizer.found_inf = found_inf  # read by fused AdamW's step
+    optimizer.found_inf = found_inf  # read by fused AdamW's step (and optim.py's Muon)
     optimizer.step()
     del optimizer.found_inf
     raw_model.after_step(found_inf)  # a mode's own update (DDP: its statistics pooled over the ranks inside)
@@ -366,7 +366,7 @@ class Trainer:
         self.raw_model = GPT(self.gptconf).to(device)
         self.optimizer = self.raw_model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"],
                                                              (cfg["beta1"], cfg["beta2"]), cfg["nag_gate_lr_scale"],
-                                                             cfg["nag_gate_decay"])
+                                                             cfg["nag_gate_decay"], muon_settings(cfg))
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg["dtype"] == "float16")
         self.iter_num, self.best_val_loss, self.flops_base, self.seconds = 0, float("inf"), 0.0, 0.0
         self.eval_due = False  # the eval of iter_num was broken off by a stop: the resume runs it first
@@ -387,13 +387,17 @@ class Trainer:
             print(f"{self.raw_model.describe()}, {self.raw_model.get_num_params() / 1e6:.2f}M non-embedding params | "
                   f"{self.device} {cfg['dtype']} | {self.world} process(es) x {self.accum} micro-steps x "
                   f"{cfg['batch_size']} x {cfg['block_size']} = {self.tokens_per_iter:,} tokens/iter")
+            if cfg["optimizer"] == "muon":
+                n = sum(p.numel() for p in self.optimizer.muon.param_groups[0]["params"])
+                print(f"optimizer: Muon (LR {cfg['muon_lr']:g}) on {n / 1e6:.2f}M params of hidden matrices, "
+                      f"AdamW (LR {cfg['learning_rate']:g}) on the rest")
             if device.type == "cpu" and cfg["dtype"] == "float16":
                 print("WARNING: float16 on the CPU has no fast kernels: it runs over 10x slower than float32 "
                       "(the quickstart: 12x to 16x); use --dtype=float32 (auto picks it on the CPU)",
                       file=sys.stderr, flush=True)
 
     def restore(self, ckpt):
-        """Resume: the weights, the optimizer (fused AdamW, as it was saved), the grad scaler, the run so
+        """Resume: the weights, the optimizer (fused AdamW, or Muon + AdamW, as it was saved), the grad scaler, the run so
         far (iteration, best val loss, realised training FLOPs, training seconds: max_seconds goes on from
         them) and this rank's RNG."""
         self.raw_model.load_state_dict(ckpt["model"])

@@ -6,7 +6,8 @@ int(), float(): aten._local_scalar_dense; is_nonzero, equal; tolist()) or an op 
 depends on the data (nonzero, masked_select). Loading batches is host work on host tensors (get_batch's
 ix.tolist()), so the count pauses while the step draws its batches. The optimizer is fused AdamW
 (configure_optimizers builds it on every device), whose step counters live with the parameters and are
-never read: nothing to leave out there.
+never read: nothing to leave out there; under --optimizer=muon, optim.py's Muon beside it, whose skip is
+a torch.where on the device.
 """
 import contextlib
 import itertools
@@ -98,6 +99,7 @@ MODES = {
     "skip_middle": dict(residual="sandwich", mod="skip_middle", mod_rate=0.25),
     "hc-dynamic": dict(residual="hc", hc_dynamic=True),
     "mhc": dict(residual="mhc"),
+    "muon": dict(residual="prenorm", optimizer="muon"),
 }
 
 
@@ -118,12 +120,14 @@ def test_a_training_step_makes_no_host_sync(mode, data_dir, tmp_path, in_process
 
 def _state(raw_model, optimizer):
     state = {f"model.{k}": v.clone() for k, v in raw_model.state_dict().items()}
-    for i, s in optimizer.state_dict()["state"].items():
-        state.update({f"optimizer.{i}.{k}": v.clone() for k, v in s.items()})
+    saved = optimizer.state_dict()
+    for name, opt in (saved.items() if "state" not in saved else [("", saved)]):  # Muon + AdamW: both
+        for i, s in opt["state"].items():
+            state.update({f"optimizer.{name}{i}.{k}": v.clone() for k, v in s.items()})
     return state
 
 
-@pytest.mark.parametrize("mode", ["prenorm", "skip_middle"])
+@pytest.mark.parametrize("mode", ["prenorm", "skip_middle", "muon"])
 def test_a_bad_step_is_skipped_exactly_on_the_device(mode, data_dir, tmp_path, in_process, watch_steps,
                                                       monkeypatch, capsys):
     """Iteration 2's loss is NaN: that step leaves the parameters, every buffer (skip_middle's lam and mu)
@@ -159,7 +163,9 @@ def test_a_bad_step_is_skipped_exactly_on_the_device(mode, data_dir, tmp_path, i
     if mode == "skip_middle":
         assert not torch.equal(good_before["model.mod.lam"], good_after["model.mod.lam"])
     assert bad.tolist() == [1, 1, 1]  # in a row, longest run, count since the last read
-    assert steps[2] == ([] if mode == "prenorm" else ["tolist"] * 2), steps[2]  # skip_middle: see above
+    if mode == "muon":  # Muon's momentum buffers are among the state left as it was
+        assert sum("momentum_buffer" in k for k in bad_before) == 4 * 2  # 2 layers x q/k/v, o, fc, proj
+    assert steps[2] == (["tolist"] * 2 if mode == "skip_middle" else []), steps[2]  # skip_middle: see above
     out = capsys.readouterr().out
     assert "iter 3: non-finite loss or gradients, 1 step(s) skipped since the last log (0 in a row now" in out
 

@@ -1,0 +1,253 @@
+"""--optimizer=muon: Muon (torch.optim.Muon, optim.py) for the hidden matrices, AdamW for the rest.
+
+A Muon step equals one computed here by hand; the split comes from the modes' declarations, checked for
+every registered residual and MoD mode; a skipped step leaves Muon's state as it was; resume is bit-exact;
+DDP matches one process; bad values are one-line errors before out_dir is touched.
+(The no-host-sync and exact-skip checks of a training step with Muon are in tests/test_step_sync.py.)"""
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from model import GPT, MODS, RESIDUALS, GPTConfig  # noqa: E402
+from optim import MuonAdamW, SkippingMuon  # noqa: E402
+from test_train import (assert_one_line_error, load_ckpt, read_log, run, run_train_here, tiny_args,  # noqa: E402
+                        train_ok)
+
+MUON = dict(lr=0.02, momentum=0.95, weight_decay=0.0, adjust_lr_fn="original")
+SHAPE = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65)
+
+
+def newton_schulz(G, steps=5):
+    """Keller Jordan's quintic Newton-Schulz iteration (a, b, c) = (3.4445, -4.7750, 2.0315), in float64:
+    G / ||G||_F, on the wide orientation, then X <- aX + (bA + cA^2)X with A = XX^T."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    X = G.double()
+    tall = X.size(0) > X.size(1)
+    X = X.T if tall else X
+    X = X / X.norm().clamp(min=1e-7)
+    for _ in range(steps):
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.T if tall else X
+
+
+def muon_by_hand(p, grads, lr, momentum, weight_decay, adjust):
+    """p after one Muon step per gradient in grads: buf <- mu buf + (1 - mu) g (an EMA), Nesterov's
+    g + mu (buf - g), orthogonalised; decoupled decay p <- p (1 - lr wd); p <- p - lr' O with lr' the
+    adjusted LR: original sqrt(max(1, rows / cols)), match_rms_adamw 0.2 sqrt(max(rows, cols)).
+    Also returns the size of the orthogonalised steps, the sum over steps of lr' max |O|."""
+    p, buf = p.double().clone(), torch.zeros_like(p, dtype=torch.float64)
+    rows, cols = p.shape
+    scale = math.sqrt(max(1, rows / cols)) if adjust == "original" else 0.2 * math.sqrt(max(rows, cols))
+    size = 0.0
+    for g in grads:
+        g = g.double()
+        buf = momentum * buf + (1 - momentum) * g
+        update = newton_schulz(g + momentum * (buf - g))
+        p = p * (1 - lr * weight_decay) - lr * scale * update
+        size += lr * scale * update.abs().max().item()
+    return p, size
+
+
+@pytest.mark.parametrize("adjust", ["original", "match_rms_adamw"])
+def test_a_muon_step_equals_one_by_hand(adjust):
+    """Two steps (the second reads the momentum) of a GPT's non-square matrices, with a weight decay large
+    enough to see (1 - lr wd = 0.8 a step): tall (q/k/v: 96 x 32, LR x sqrt(3)), wide (the MLP's out:
+    32 x 128) and square. Muon orthogonalises in bf16, 2-3% off float64 at most: the tolerance is 5% of
+    the orthogonalised step, where a wrong LR adjustment is off by 13% (original vs match_rms_adamw on
+    the tall one) to 73% (none), and a missing or coupled decay by over 5 times the tolerance."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SHAPE))
+    settings = dict(MUON, weight_decay=10.0, adjust_lr_fn=adjust)
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), muon=settings)
+    watched = {"tall": model.sublayers[0].c_attn.weight, "wide": model.sublayers[1].c_proj.weight,
+               "square": model.sublayers[0].c_proj.weight}
+    assert [tuple(p.shape) for p in watched.values()] == [(96, 32), (32, 128), (32, 32)]
+    start = {k: p.detach().clone() for k, p in watched.items()}
+    grads = {k: [] for k in watched}
+    for step in range(2):
+        x = torch.randint(0, 65, (4, 16), generator=torch.Generator().manual_seed(step))
+        model(x, x)[1].backward()
+        for k, p in watched.items():
+            grads[k].append(p.grad.clone())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for k, p in watched.items():
+        want, size = muon_by_hand(start[k], grads[k], settings["lr"], settings["momentum"], 10.0, adjust)
+        err = (p.detach().double() - want).abs().max().item()
+        assert err <= 0.05 * size, f"{k}: Muon's step is {err:.3g} off the hand one (its size {size:.3g})"
+
+
+def test_a_skipped_muon_step_keeps_parameters_and_momentum():
+    """found_inf > 0: parameters and momentum bit-identical (the buffer made on that step is zeros, as
+    a fresh Muon's); found_inf == 0: exactly torch.optim.Muon's step."""
+    torch.manual_seed(0)
+    p, q = nn.Parameter(torch.randn(6, 4)), nn.Parameter(torch.randn(6, 4))
+    q.data.copy_(p.data)
+    ours, plain = SkippingMuon([p], lr=0.1), torch.optim.Muon([q], lr=0.1)
+    for step, bad in enumerate([False, True, False, True]):
+        g = torch.randn(6, 4) if not bad else torch.full((6, 4), float("nan"))
+        p.grad = g.clone()
+        before = (p.detach().clone(), ours.state[p]["momentum_buffer"].clone() if step else None)
+        ours.found_inf = torch.tensor(1.0 if bad else 0.0)
+        ours.step()
+        if bad:
+            assert torch.equal(p.detach(), before[0]), step
+            assert torch.equal(ours.state[p]["momentum_buffer"], before[1]), step
+        else:
+            q.grad = g.clone()
+            plain.step()
+            assert torch.equal(p.detach(), q.detach()), step
+            assert torch.equal(ours.state[p]["momentum_buffer"], plain.state[q]["momentum_buffer"]), step
+
+
+def declared(part, *names):
+    """The ids of the parameters part declares in the named declarations."""
+    ids = set()
+    for name in names:
+        if name == "lr_groups" and hasattr(part, name):
+            ids |= {id(p) for params, _ in part.lr_groups() for p in params}
+        elif hasattr(part, name):
+            ids |= {id(p) for p in getattr(part, name)()}
+    return ids
+
+
+def cases():
+    """Every registered residual mode, a decayed-alpha dwa and nag's gate groups, and every MoD mode
+    on a residual mode it works with."""
+    out = [(r, {}) for r in RESIDUALS]
+    out += [("dwa", dict(dwa_decay=True)), ("nag", dict(gate_lr_scale=0.05)), ("nag", dict(gate_decay=True))]
+    for mod, cls in MODS.items():
+        if cls is not None:
+            residual = next(r for r, c in RESIDUALS.items() if mod in c.mods)
+            out.append((residual, dict(mod=mod, mod_rate=0.5)))
+    return out
+
+
+@pytest.mark.parametrize("residual, options", cases(), ids=lambda c: c if isinstance(c, str) else
+                         "-".join(f"{k}={v}" for k, v in c.items()) or "default")
+def test_every_parameter_has_one_group_and_mixing_weights_never_muon(residual, options):
+    """Generic, for every registered mode: each trainable parameter is in exactly one group of one
+    optimizer; Muon has the backbone's attention and MLP matrices (all of them) and 2-D decayed matrices
+    only; AdamW has the embedding, the LM head, and everything a mode declares as no-decay, mixing,
+    gate or lr-group parameters; a parameter keeps the decay and LR scale it has under AdamW alone."""
+    options = dict(options)
+    train_keys = {k: options.pop(k) for k in ("gate_lr_scale", "gate_decay") if k in options}
+    model = GPT(GPTConfig(**SHAPE, residual=residual, **options))
+    args = (0.1, 1e-3, (0.9, 0.95), train_keys.get("gate_lr_scale", 1.0), train_keys.get("gate_decay", False))
+    opt = model.configure_optimizers(*args, muon=MUON)
+    assert isinstance(opt, MuonAdamW)
+    muon = [p for g in opt.muon.param_groups for p in g["params"]]
+    adamw = [p for g in opt.adamw.param_groups for p in g["params"]]
+    seen = [id(p) for p in muon + adamw]
+    trainable = [id(p) for p in model.parameters() if p.requires_grad]
+    assert len(seen) == len(set(seen)), "a parameter is in two groups"
+    assert set(seen) == set(trainable), "a parameter is in no group"
+    names = {id(p): n for n, p in model.named_parameters()}
+    in_muon = {id(p) for p in muon}
+    for m in model.sublayers.modules():
+        if isinstance(m, nn.Linear):
+            assert id(m.weight) in in_muon, f"{names[id(m.weight)]} is a hidden matrix, not under Muon"
+    for p in muon:
+        assert p.dim() == 2 and min(p.shape) > 1, f"{names[id(p)]} {list(p.shape)} under Muon is not a matrix"
+    never = {id(model.wte.weight), id(model.lm_head.weight)}
+    for part in (model.stream, model.mod):
+        if part is not None:
+            never |= declared(part, "no_decay_parameters", "mixing_parameters", "gate_parameters", "lr_groups")
+    wrong = sorted(names[i] for i in never & in_muon)
+    assert not wrong, f"declared mixing weights, gates or embedding/head under Muon: {wrong}"
+    # AdamW alone: the same decay and LR scale for every parameter AdamW keeps under Muon
+    alone = model.configure_optimizers(*args)
+    rule = {id(p): (g["weight_decay"], g.get("lr_scale", 1.0)) for g in alone.param_groups for p in g["params"]}
+    for g in opt.adamw.param_groups:
+        for p in g["params"]:
+            assert (g["weight_decay"], g.get("lr_scale", 1.0)) == rule[id(p)], names[id(p)]
+
+
+def test_the_schedule_scales_both_optimizers():
+    """train.set_lr's scheduled LR reaches both: Muon's group at muon_lr x (scheduled / peak AdamW LR)."""
+    import train
+    model = GPT(GPTConfig(**SHAPE, residual="nag"))
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 0.05, muon=MUON)
+    train.set_lr(opt, 5e-4)  # half the peak
+    assert opt.muon.param_groups[0]["lr"] == pytest.approx(0.01)
+    lrs = sorted(g["lr"] for g in opt.adamw.param_groups)
+    assert lrs == pytest.approx([2.5e-5, 5e-4, 5e-4])  # the gate group at 0.05 x, decay and no-decay at 1 x
+
+
+# -----------------------------------------------------------------------------
+# train.py with --optimizer=muon
+
+def test_resume_with_muon_is_bit_exact(data_dir, tmp_path):
+    """4 iterations + a resume to 8 == 8 straight, to the bit: weights, Muon's momentum and AdamW's moments."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train_ok(tiny_args(data_dir, straight, optimizer="muon"))
+    train_ok(tiny_args(data_dir, split, optimizer="muon", max_iters=4))
+    r = train_ok(tiny_args(data_dir, split, optimizer="muon", init_from="resume"))
+    assert "resuming from" in r.stdout and "Muon" in r.stdout
+    log = read_log(straight)
+    assert log[-1]["val_loss"] < log[0]["val_loss"] - 0.15  # it learns (AdamW's tiny run: 0.2 lower)
+    assert [x["val_loss"] for x in read_log(split)] == [x["val_loss"] for x in log]
+    a, b = load_ckpt(straight), load_ckpt(split)
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert set(a["optimizer"]) == {"muon", "adamw"}
+    for name in ("muon", "adamw"):
+        sa, sb = a["optimizer"][name]["state"], b["optimizer"][name]["state"]
+        assert sa.keys() == sb.keys() and sa
+        for i in sa:
+            assert all(torch.equal(sa[i][k], sb[i][k]) for k in sa[i]), (name, i)
+    assert all("momentum_buffer" in s for s in a["optimizer"]["muon"]["state"].values())
+
+
+def test_ddp_with_muon_matches_one_process(data_dir, tmp_path):
+    """2 gloo ranks x 1 micro-step == 1 process x 2 micro-steps under Muon: every rank applies the same
+    Muon step to the all-reduced gradients."""
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    train_ok(tiny_args(data_dir, single, optimizer="muon", max_iters=4))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
+    r = run([*torchrun, *tiny_args(data_dir, ddp, optimizer="muon", max_iters=4)])
+    assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    for a, b in zip(read_log(ddp), read_log(single), strict=True):
+        assert abs(a["val_loss"] - b["val_loss"]) <= 1e-5, (a, b)
+    w_ddp, w_single = load_ckpt(ddp)["model"], load_ckpt(single)["model"]
+    for k in w_single:
+        torch.testing.assert_close(w_ddp[k], w_single[k], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("override, needles", [
+    (dict(optimizer="muon", muon_lr=-0.01), ["muon_lr", "> 0"]),
+    (dict(optimizer="muon", muon_lr=0), ["muon_lr", "> 0"]),
+    (dict(optimizer="muon", muon_momentum=1.0), ["muon_momentum", "[0, 1)"]),
+    (dict(optimizer="muon", muon_momentum=-0.1), ["muon_momentum", "[0, 1)"]),
+    (dict(optimizer="muon", muon_weight_decay=-1), ["muon_weight_decay", ">= 0"]),
+    (dict(optimizer="muon", muon_adjust_lr="rms"), ["muon_adjust_lr", "match_rms_adamw"]),
+    (dict(optimizer="sgd"), ["optimizer", "'muon'"]),
+    (dict(muon_lr=0.05), ["muon_lr", "--optimizer=muon"]),
+], ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else "")
+def test_bad_muon_values_are_one_line_errors(override, needles, data_dir, tmp_path):
+    """Before out_dir is touched: a kept run in it stays byte-identical, and nothing new appears."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "ckpt.pt").write_bytes(b"a kept checkpoint")
+    r = run_train_here(tiny_args(data_dir, out, **override))
+    assert_one_line_error(r, *needles)
+    assert sorted(os.listdir(out)) == ["ckpt.pt"] and (out / "ckpt.pt").read_bytes() == b"a kept checkpoint"
+
+
+def test_resume_refuses_another_optimizer(data_dir, tmp_path):
+    """A Muon run resumed with AdamW (or back) would load the wrong optimizer state: one line, and the
+    checkpoint stays as it was."""
+    out = tmp_path / "out"
+    train_ok(tiny_args(data_dir, out, optimizer="muon", max_iters=2))
+    before = (out / "ckpt.pt").read_bytes()
+    r = run_train_here(tiny_args(data_dir, out, optimizer="adamw", init_from="resume", max_iters=4))
+    assert_one_line_error(r, "optimizer='muon'", "--optimizer=muon")
+    assert (out / "ckpt.pt").read_bytes() == before
