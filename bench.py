@@ -100,6 +100,7 @@ DEFAULTS = dict(
     max_minutes=8.0,  # gpu: the wall-clock cap, checked between parts and between the items of a part
     parts="all",  # gpu: all (correctness, bandwidth, modes, mod) or a comma list of them
     compiled="all",  # gpu: modes also timed compiled, while time is left (all: COMPILE_FIRST, then the rest)
+    optimizer="adamw",  # model, gpu's modes: the step's optimizer, adamw or muon (train.py's muon_* defaults)
 )
 
 
@@ -244,11 +245,13 @@ def bench_kernels(device, dtype, use_compile, reps):
                   f"| {(bytes_fwd + bytes_bwd) / t_fb / 1e9:.1f} | {eager_total / t_fb:.2f}x |")
 
 
-def train_step(config, compiled, device, autocast, B, backend):
-    """One training step (forward, backward, AdamW) of a fresh GPT(config) on a fixed random batch."""
+def train_step(config, compiled, device, autocast, B, backend, optimizer="adamw"):
+    """One training step (forward, backward, the optimizer: AdamW, or Muon + AdamW as train.py's
+    --optimizer=muon builds them) of a fresh GPT(config) on a fixed random batch."""
     torch.manual_seed(0)
     model = GPT(config).to(device)
-    opt = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95))
+    muon = run_config.muon_settings({**run_config.DEFAULTS, "optimizer": optimizer})
+    opt = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), muon=muon)
     step_model = torch.compile(model, backend=backend) if compiled else model
     x = torch.randint(0, config.vocab_size, (B, config.block_size), device=device)
 
@@ -261,7 +264,8 @@ def train_step(config, compiled, device, autocast, B, backend):
     return step
 
 
-def time_steps(configs, device, dtype, use_compile, reps, B, backend="inductor", until=None, on_error=None):
+def time_steps(configs, device, dtype, use_compile, reps, B, backend="inductor", until=None, on_error=None,
+               optimizer="adamw"):
     """Median seconds of one training step (forward, backward, AdamW) of each GPTConfig in
     `configs` (name -> config, or name -> (config, compile this one?)), and the peak memory (GiB,
     GPU only) of each. All are built (and compiled) first, then timed in interleaved rounds, so
@@ -285,7 +289,7 @@ def time_steps(configs, device, dtype, use_compile, reps, B, backend="inductor",
             if gpu:
                 torch.cuda.reset_peak_memory_stats()
             try:
-                step = train_step(config, compiled, device, autocast, B, backend)
+                step = train_step(config, compiled, device, autocast, B, backend, optimizer)
                 timeit(step, device, 2)  # warm-up: compilation, optimizer state
             except Exception as e:  # e.g. out of memory: the other configs still run
                 if on_error is None:
@@ -360,12 +364,12 @@ VARIANTS = {  # options timed and checked beside the modes (model and gpu sectio
 }
 
 
-def bench_model(device, dtype, use_compile, reps, batch_size, layers=0):
+def bench_model(device, dtype, use_compile, reps, batch_size, layers=0, optimizer="adamw"):
     gpu = device.type == "cuda"
     shape, B = step_shape("model step", device, dtype, use_compile, batch_size, cpu_layers=4, layers=layers)
     configs = {name: GPTConfig(**kw, **shape) for name, kw in {**{r: dict(residual=r) for r in RESIDUALS},
                                                                  **VARIANTS}.items()}
-    times, mem = time_steps(configs, device, dtype, use_compile, reps, B)
+    times, mem = time_steps(configs, device, dtype, use_compile, reps, B, optimizer=optimizer)
     idx = torch.randint(0, shape["vocab_size"], (B, shape["block_size"]), device=device)
     saved = {}
     for residual, config in configs.items():
@@ -975,8 +979,8 @@ def met(value, bound, at_most=True):
     return "met" if (value <= bound if at_most else value >= bound) else "not met"
 
 
-def gpu_modes(run, device, shapes, reps, backend, compiled):
-    """Part 3: one training step (bf16 autocast, AdamW) of every residual mode and option variant at the
+def gpu_modes(run, device, shapes, reps, backend, compiled, optimizer="adamw"):
+    """Part 3: one training step (bf16 autocast, AdamW or, with --optimizer=muon, Muon + AdamW) of every residual mode and option variant at the
     124M shape, eager with the fused kernels, interleaved in one run: ms/iter, tokens/s, MFU and peak memory,
     as ratios to prenorm. Then the same compiled, for the modes of `compiled` in order, as many as the
     part's time allows (a compile is the costly part: it is what the cap is checked before)."""
@@ -997,7 +1001,7 @@ def gpu_modes(run, device, shapes, reps, backend, compiled):
 
         def failed(name, e, variant=variant):
             run.add(dict(residual=name, variant=variant, target=f"failed: {one_line(e)}"))
-        times, mem = time_steps(configs, device, torch.bfloat16, False, reps, B, backend, until, failed)
+        times, mem = time_steps(configs, device, torch.bfloat16, False, reps, B, backend, until, failed, optimizer)
         if variant == "eager":
             eager = times
         for name, t in times.items():
@@ -1070,11 +1074,13 @@ def bench_gpu(cfg, argv):
                 triton=getattr(kernels.triton, "__version__", None), cuda=torch.version.cuda,
                 python=sys.version.split()[0], command=" ".join(["python bench.py", *argv]), commit=git_commit(),
                 started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), dry_run=dry,
-                max_minutes=cfg["max_minutes"], backend=backend, reps=reps, plan_s=gpu_plan(parts, compiled))
+                max_minutes=cfg["max_minutes"], backend=backend, reps=reps, plan_s=gpu_plan(parts, compiled),
+                optimizer=cfg["optimizer"])
     print(f"gpu section: {', '.join(parts)} within {cfg['max_minutes']:g} minutes, to {path}")
     run = GPURun(path, meta, parts, cfg["max_minutes"])
     jobs = dict(correctness=(gpu_correctness, device, shapes, backend), bandwidth=(gpu_bandwidth, device, shapes, reps),
-                modes=(gpu_modes, device, shapes, reps, backend, compiled), mod=(gpu_mod, device, shapes, reps))
+                modes=(gpu_modes, device, shapes, reps, backend, compiled, cfg["optimizer"]),
+                mod=(gpu_mod, device, shapes, reps))
     for part in parts:
         run.run_part(part, *jobs[part])
     run.finish()
@@ -1089,6 +1095,8 @@ def main(argv=None):
         raise ConfigError(f"unknown section '{cfg['section']}'; valid: {', '.join(SECTIONS)}")
     if cfg["dry_run"] and cfg["section"] != "gpu":
         raise ConfigError("--dry_run=True is the gpu section's: add --section=gpu")
+    if cfg["optimizer"] not in ("adamw", "muon"):
+        raise ConfigError(f"--optimizer={cfg['optimizer']}: give adamw or muon (the model and gpu sections' step)")
     UNSTEADY.clear()  # this run's measurements only
     if cfg["section"] == "gpu":  # not in "all": it writes docs/results.md
         data = bench_gpu(cfg, sys.argv[1:] if argv is None else argv)
@@ -1106,7 +1114,7 @@ def main(argv=None):
     use_compile = cfg["compile"] and device.type == "cuda"
     times = {}
     if cfg["section"] in ("all", "model"):
-        times.update(bench_model(device, dtype, use_compile, reps, cfg["batch_size"], cfg["layers"]))
+        times.update(bench_model(device, dtype, use_compile, reps, cfg["batch_size"], cfg["layers"], cfg["optimizer"]))
     if cfg["section"] in ("all", "mod"):
         times.update(bench_mod(device, dtype, use_compile, reps, cfg["batch_size"]))
     if cfg["section"] == "compile":  # not in "all": it compiles 10 models

@@ -5,6 +5,7 @@ FLOP accounting, MFU and iso-FLOP sweeps (README: "FLOPs and iso-FLOP sweeps").
     python flops.py sweep config/sweep_shakespeare_cpu.py                     # train.py runs at one budget
     python flops.py results docs/sweep_mod_cpu.csv                            # a sweep's tables again, from its CSV
     python flops.py multiplier out/<sweep>/results.csv                        # compute multipliers of a budgets sweep
+    python flops.py optimizers docs/sweep_muon_cpu_5e12.csv docs/...csv      # AdamW against Muon, design by design
 
 Convention. FLOPs count a multiply-add as 2 and are per token of the training sequence (T = block_size):
 - attention sublayer: 2*4*d^2 (q, k, v and output projections) + 2*2*T*d (scores QK^T and the
@@ -1000,24 +1001,116 @@ def multiplier(argv):
     return text
 
 
-COMMANDS = """flops.py: FLOP counts and iso-FLOP sweeps, four commands:
+# -----------------------------------------------------------------------------
+# AdamW against Muon: does a design's gain over prenorm survive the optimizer?
+
+OPTIMIZER_ARGS = ("--optimizer=", "--muon_")  # the keys that say how a run was optimised, not what it trains
+
+
+def optimizer_key(row):
+    """(optimizer, design, depth, budget) of a results row. The optimizer is "adamw", or "muon" with the
+    muon_* keys the run set; the design is what the run trains besides: residual, MoD and every other key
+    of its args; the budget is the sweep's (its budget column to 3 significant digits, or, in a CSV from
+    before that column, the FLOPs the run spent to 2: a budget's last iteration is never over it)."""
+    args = (row.get("args") or "").split()
+    muon = [a for a in args if a.startswith("--muon_")]
+    optimizer = " ".join(["muon", *muon]) if "--optimizer='muon'" in args else "adamw"
+    rest = " ".join(a for a in args if not a.startswith(OPTIMIZER_ARGS))
+    design = row["residual"] + (f" {rest}" if rest else "") + (f" mod={row['mod']}@{row['mod_rate']:g}" if row.get("mod") else "")
+    budget = float(f"{row['budget']:.3g}") if row.get("budget") else float(f"{row['flops']:.2g}")
+    return optimizer, design, row["n_layer"], budget
+
+
+def optimizer_verdict(adamw, muon):
+    """Whether AdamW's gain over prenorm survives Muon, from each one's welch() (p < 0.05 and the sign)."""
+    word = lambda w: "n.s." if w is None or not w["significant"] else "gain" if w["diff"] < 0 else "worse"  # noqa: E731
+    a, m = word(adamw), word(muon)
+    return {("gain", "gain"): "survives", ("gain", "n.s."): "gone", ("gain", "worse"): "reversed",
+            ("n.s.", "gain"): "appears"}.get((a, m), "n.s. under both" if a == m == "n.s." else f"{a} → {m}")
+
+
+def optimizers_table(rows, baseline="prenorm"):
+    """Markdown: per depth and budget, each design's final val loss under AdamW and under Muon, its
+    difference to the baseline design under the same optimizer (Welch p), whether the gain survives,
+    and Muon's own gain over AdamW for the design. A design appears where both optimizers ran it.
+    A run read twice (the same design, depth, budget and seed in two CSVs) counts once."""
+    losses, seen, twice = {}, set(), 0
+    for r in rows:
+        if r["status"] != "done":
+            continue
+        key = optimizer_key(r)
+        if (key, r["seed"]) in seen:
+            twice += 1
+            continue
+        seen.add((key, r["seed"]))
+        losses.setdefault(key, []).append(r["val_loss"])
+    fmt_p = lambda w: "–" if w is None or w["p"] is None else f"{w['diff']:+.4f} (p = {w['p']:.2g})"  # noqa: E731
+    mean = lambda v: "–" if not v else f"{run_config.mean_std(v)[0]:.4f}" + (  # noqa: E731
+        f" ± {run_config.mean_std(v)[1]:.4f}" if len(v) > 1 else "") + f" ({len(v)})"
+    lines = [f"Final val loss, mean ± std (seeds), under each optimizer; Δ vs {baseline} under the same optimizer "
+             f"with Welch's p; a gain is Δ < 0 at p < 0.05. Muon − AdamW: the design's loss under Muon minus "
+             f"under AdamW." + (f" {twice} run(s) read twice counted once." if twice else "")]
+    for L, budget, muon in sorted({(L, b, o) for (o, _, L, b) in losses if o != "adamw"}):
+        designs = [d for (o, d, l, b) in losses if o == muon and (l, b) == (L, budget)
+                   and ("adamw", d, L, budget) in losses]
+        if baseline not in designs:
+            continue
+        designs = [baseline] + sorted(d for d in dict.fromkeys(designs) if d != baseline)
+        get = lambda o, d: losses[(o if o == "adamw" else muon, d, L, budget)]  # noqa: E731
+        lines += ["", f"**{L} layers, {budget:.3g} FLOPs**" + (f" (Muon: {muon[5:]})" if muon != "muon" else ""), "",
+                  f"| design | AdamW | Δ vs {baseline} (AdamW) | Muon | Δ vs {baseline} (Muon) | the gain | "
+                  f"Muon − AdamW |", "|" + "---|" * 7]
+        for d in designs:
+            a = run_config.welch(get("adamw", d), get("adamw", baseline)) if d != baseline else None
+            m = run_config.welch(get("muon", d), get("muon", baseline)) if d != baseline else None
+            own = run_config.welch(get("muon", d), get("adamw", d))
+            lines.append(f"| {d} | {mean(get('adamw', d))} | {fmt_p(a) if d != baseline else '–'} | "
+                         f"{mean(get('muon', d))} | {fmt_p(m) if d != baseline else '–'} | "
+                         f"{optimizer_verdict(a, m) if d != baseline else 'baseline'} | {fmt_p(own)} |")
+    if len(lines) == 1:
+        raise ConfigError(f"no depth and budget with {baseline} under both AdamW and Muon in these CSVs: pass the "
+                          f"AdamW sweeps' CSVs and the Muon sweep's together (e.g. python flops.py optimizers "
+                          f"docs/sweep_muon_cpu_5e12.csv docs/sweep_multiplier_cpu.csv)")
+    return "\n".join(lines) + "\n"
+
+
+OPTIMIZERS_DEFAULTS = dict(
+    baseline="prenorm",  # the design each other is compared with under the same optimizer (its residual and keys)
+)
+
+
+def optimizers(argv):
+    """python flops.py optimizers results.csv ... [--baseline=DESIGN]: optimizers_table, printed."""
+    files, cfg, rows = csv_verb(argv, "optimizers", OPTIMIZERS_DEFAULTS, "OPTIMIZERS_DEFAULTS",
+                                "AdamW against Muon: each design's gain over prenorm under both, from results.csv "
+                                "files of both optimizers' sweeps", "results.csv files",
+                                "docs/sweep_muon_cpu_5e12.csv docs/sweep_multiplier_cpu.csv")
+    text = optimizers_table(rows, cfg["baseline"])
+    print(text, end="")
+    return text
+
+
+COMMANDS = """flops.py: FLOP counts and iso-FLOP sweeps, five commands:
     python flops.py [config/x.py ...] [--key=value ...]       FLOPs per token by component, params, what --budget buys (keys below)
     python flops.py sweep config/sweep_<name>.py [--key=value]  train.py runs at a FLOP budget (or budgets), results.csv/.md/.png (python flops.py sweep --help: its keys)
     python flops.py results out/<sweep>/results.csv ...        a sweep's tables again from its CSVs (python flops.py results --help: its keys)
-    python flops.py multiplier out/<sweep>/results.csv ...     compute multipliers (equal FLOPs, equal time) of a budgets sweep, and a figure"""
+    python flops.py multiplier out/<sweep>/results.csv ...     compute multipliers (equal FLOPs, equal time) of a budgets sweep, and a figure
+    python flops.py optimizers a.csv b.csv ...                 AdamW against Muon: each design's gain over prenorm under both"""
 
 
 def main(argv):
-    if ("--help" in argv or "-h" in argv) and argv[:1] not in (["sweep"], ["results"], ["multiplier"]):
+    if ("--help" in argv or "-h" in argv) and argv[:1] not in (["sweep"], ["results"], ["multiplier"], ["optimizers"]):
         print(COMMANDS)  # the commands; configure then lists the breakdown's keys and exits
-    if argv and not argv[0].startswith("-") and argv[0] not in ("sweep", "results", "multiplier") and "=" not in argv[0] \
+    if argv and not argv[0].startswith("-") and argv[0] not in ("sweep", "results", "multiplier", "optimizers") and "=" not in argv[0] \
             and not os.path.exists(argv[0]):
-        raise ConfigError(f"'{argv[0]}' is neither a command (sweep, results, multiplier) nor a config file; "
+        raise ConfigError(f"'{argv[0]}' is neither a command (sweep, results, multiplier, optimizers) nor a config file; "
                           f"python flops.py --help lists the commands")
     if argv[:1] == ["results"]:
         return results(argv[1:])
     if argv[:1] == ["multiplier"]:
         return multiplier(argv[1:])
+    if argv[:1] == ["optimizers"]:
+        return optimizers(argv[1:])
     if argv[:1] == ["sweep"]:
         if all(a.startswith("--") for a in argv[1:]) and "--help" not in argv:  # the defaults alone: hours of runs
             shipped = sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "config", "sweep_*.py")))

@@ -275,3 +275,25 @@ def test_gpu_section_errors():
         bench.main(["--section=gpu", "--dry_run=True", "--parts=speed"])
     with pytest.raises(ConfigError, match="--compiled=prenorm,nga"):
         bench.main(["--section=gpu", "--dry_run=True", "--compiled=prenorm,nga"])
+
+
+def test_gpu_mode_rows_step_muon_when_asked(tmp_path, monkeypatch):
+    """--optimizer=muon: every mode row of the gpu command times a step of Muon + AdamW (train.py's
+    split), and the meta says so; without it, AdamW alone."""
+    from optim import MuonAdamW
+    built, real = [], bench.GPT.configure_optimizers
+
+    def spy(self, *args, **kw):
+        opt = real(self, *args, **kw)
+        built.append(type(opt))
+        return opt
+    monkeypatch.setattr(bench.GPT, "configure_optimizers", spy)
+    data = bench.main(["--section=gpu", "--dry_run=True", f"--results={tmp_path / 'r.md'}", "--parts=modes",
+                       "--compiled=", "--optimizer=muon"])
+    rows = data["parts"]["modes"]["rows"]
+    assert {r["residual"] for r in rows} == set(bench.RESIDUALS) | set(bench.VARIANTS)
+    assert all(r["ms"] > 0 for r in rows) and data["meta"]["optimizer"] == "muon"
+    assert built and set(built) == {MuonAdamW}
+    built.clear()
+    bench.main(["--section=gpu", "--dry_run=True", f"--results={tmp_path / 'r.md'}", "--parts=modes", "--compiled="])
+    assert built and MuonAdamW not in built

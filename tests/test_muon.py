@@ -171,15 +171,21 @@ def test_every_parameter_has_one_group_and_mixing_weights_never_muon(residual, o
             assert (g["weight_decay"], g.get("lr_scale", 1.0)) == rule[id(p)], names[id(p)]
 
 
-def test_the_schedule_scales_both_optimizers():
-    """train.set_lr's scheduled LR reaches both: Muon's group at muon_lr x (scheduled / peak AdamW LR)."""
+def test_the_schedule_scales_both_optimizers_and_nag_gates_keep_the_references_ratio():
+    """train.set_lr's scheduled LR reaches both: Muon's group at muon_lr x (scheduled / peak AdamW LR). With
+    learning_rate 1e-3 and muon_lr 0.02, nag's gates (alpha, modulators: AdamW, no decay) train at 0.05 x
+    the Muon LR at every point of the schedule, nag-nanochat's relation; nag_gate_lr_scale moves them."""
     import train
     model = GPT(GPTConfig(**SHAPE, residual="nag"))
-    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 0.05, muon=MUON)
-    train.set_lr(opt, 5e-4)  # half the peak
-    assert opt.muon.param_groups[0]["lr"] == pytest.approx(0.01)
-    lrs = sorted(g["lr"] for g in opt.adamw.param_groups)
-    assert lrs == pytest.approx([2.5e-5, 5e-4, 5e-4])  # the gate group at 0.05 x, decay and no-decay at 1 x
+    gates = {id(p) for p in model.stream.gate_parameters()}
+    for scale, ratio in ((1.0, 0.05), (0.5, 0.025)):
+        opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), scale, muon=MUON)
+        for lr in (1e-3, 4e-4, 1e-4):  # peak, mid-cosine, min_lr
+            train.set_lr(opt, lr)
+            muon_lr = opt.muon.param_groups[0]["lr"]
+            assert muon_lr == pytest.approx(0.02 * lr / 1e-3)
+            gate_lrs = [g["lr"] for g in opt.adamw.param_groups for p in g["params"] if id(p) in gates]
+            assert len(gate_lrs) == len(gates) and gate_lrs == pytest.approx([ratio * muon_lr] * len(gates))
 
 
 # -----------------------------------------------------------------------------
@@ -251,3 +257,72 @@ def test_resume_refuses_another_optimizer(data_dir, tmp_path):
     r = run_train_here(tiny_args(data_dir, out, optimizer="adamw", init_from="resume", max_iters=4))
     assert_one_line_error(r, "optimizer='muon'", "--optimizer=muon")
     assert (out / "ckpt.pt").read_bytes() == before
+
+
+# -----------------------------------------------------------------------------
+# flops.py optimizers: the comparison's table
+
+def result_rows(optimizer, design_args, losses, n_layer=4, budget=5e12, flops_only=False):
+    """results.csv rows of one cell: a run per loss (seeds 1, 2, ...)."""
+    args = " ".join(filter(None, [design_args, "--optimizer='muon' --muon_lr=0.02" if optimizer == "muon" else ""]))
+    return [dict(run=f"r{seed}", cell="c", seed=seed, residual="prenorm", n_layer=n_layer, mod=None, mod_rate=0.0,
+                 args=args, status="done", val_loss=loss, flops=budget * 0.9985,
+                 **({} if flops_only else {"budget": budget})) for seed, loss in enumerate(losses, 1)]
+
+
+def test_optimizers_table_reads_each_gain_under_both():
+    """A design 0.1 better under both survives; one better under AdamW only is gone; one better under
+    AdamW and worse under Muon is reversed; Muon's own gain is Muon's loss minus AdamW's, per design."""
+    import flops
+    base = [2.00, 2.01, 1.99]
+    rows = result_rows("adamw", "", base) + result_rows("muon", "", [1.80, 1.81, 1.79])
+    rows += result_rows("adamw", "--value_residual='half'", [1.90, 1.91, 1.89])
+    rows += result_rows("muon", "--value_residual='half'", [1.70, 1.71, 1.69])  # -0.1 under both
+    rows += result_rows("adamw", "--norm_scaling=True", [1.90, 1.91, 1.89])
+    rows += result_rows("muon", "--norm_scaling=True", [1.80, 1.82, 1.78])  # 0 under Muon
+    rows += result_rows("adamw", "--value_residual='learned'", [1.90, 1.91, 1.89])
+    rows += result_rows("muon", "--value_residual='learned'", [1.90, 1.91, 1.89])  # +0.1 under Muon
+    text = flops.optimizers_table(rows)
+    line = {row.split(" | ")[0][2:]: row for row in text.splitlines() if row.startswith("| prenorm")}
+    assert "| survives |" in line["prenorm --value_residual='half'"]
+    assert "| gone |" in line["prenorm --norm_scaling=True"]
+    assert "| reversed |" in line["prenorm --value_residual='learned'"]
+    assert "-0.1000 (p = " in line["prenorm --value_residual='half'"]
+    from scipy import stats
+    p = stats.ttest_ind([1.80, 1.81, 1.79], base, equal_var=False).pvalue  # Muon - AdamW for prenorm: Welch
+    assert line["prenorm"].endswith(f"| -0.2000 (p = {p:.2g}) |")
+    assert "**4 layers, 5e+12 FLOPs**" in text
+
+
+def test_optimizers_table_counts_a_run_read_twice_once_and_matches_old_csvs_by_their_flops():
+    """The same run in two CSVs counts once (its seeds are not doubled: the std would shrink); a CSV from
+    before the budget column is matched on the FLOPs its runs spent."""
+    import flops
+    rows = result_rows("adamw", "", [2.0, 2.1], flops_only=True) + result_rows("adamw", "", [2.0, 2.1])
+    rows += result_rows("muon", "", [1.8, 1.9])
+    text = flops.optimizers_table(rows)
+    assert "2 run(s) read twice counted once" in text
+    assert "| prenorm | 2.0500 ± 0.0707 (2) |" in text
+
+
+def test_optimizers_table_without_both_optimizers_names_the_fix():
+    import flops
+    from configurator import ConfigError
+    with pytest.raises(ConfigError, match="under both AdamW and Muon"):
+        flops.optimizers_table(result_rows("adamw", "", [2.0, 2.1]))
+
+
+def test_the_compiled_step_check_sees_every_parameter_under_muon():
+    """compile=True's ZeroGradientCheck hooks the optimizer's step: with Muon + AdamW it records the
+    gradients of every trainable parameter, of both optimizers, and names a zero one."""
+    from guards import GRAD_CHECK_STEPS, ZeroGradientCheck
+    model = GPT(GPTConfig(**SHAPE))
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), muon=MUON)
+    check = ZeroGradientCheck(model, opt, 0)
+    check.arm(GRAD_CHECK_STEPS, 1)
+    x = torch.randint(0, 65, (2, 16))
+    model(x, x)[1].backward()
+    model.sublayers[1].c_fc.weight.grad.zero_()  # a Muon parameter with an exactly zero gradient
+    opt.step()
+    assert len(check.params) == sum(1 for p in model.parameters() if p.requires_grad)
+    assert "sublayers.1.c_fc.weight" in check.read(GRAD_CHECK_STEPS)

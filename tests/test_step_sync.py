@@ -100,6 +100,7 @@ MODES = {
     "hc-dynamic": dict(residual="hc", hc_dynamic=True),
     "mhc": dict(residual="mhc"),
     "muon": dict(residual="prenorm", optimizer="muon"),
+    "muon-fp16": dict(residual="prenorm", optimizer="muon", dtype="float16"),  # GradScaler.unscale_ on both
 }
 
 
