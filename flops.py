@@ -1021,12 +1021,33 @@ def optimizer_key(row):
     return optimizer, design, row["n_layer"], budget
 
 
+def gain_change(design_muon, base_muon, design_adamw, base_adamw):
+    """Whether a design's Δ to the baseline differs between the optimizers: (Δ Muon) - (Δ AdamW), four
+    independent cells of seeds, its standard error from the four cells' sample variances and the
+    Welch-Satterthwaite degrees of freedom; returns (difference, two-sided p), p None when a cell has
+    fewer than 2 seeds or none has spread. > 0: the gain is smaller under Muon."""
+    from scipy import stats
+    cells = (design_muon, base_muon, design_adamw, base_adamw)
+    if min(map(len, cells)) < 2:
+        return None, None
+    means, varns = zip(*[(m, s ** 2 / len(v)) for v in cells for m, s in [run_config.mean_std(v)]])
+    diff = (means[0] - means[1]) - (means[2] - means[3])
+    se2 = sum(varns)
+    if se2 == 0:
+        return diff, None
+    df = se2 ** 2 / sum(w ** 2 / (len(v) - 1) for w, v in zip(varns, cells))
+    return diff, float(2 * stats.t.sf(abs(diff) / se2 ** 0.5, df))
+
+
 def optimizer_verdict(adamw, muon):
-    """Whether AdamW's gain over prenorm survives Muon, from each one's welch() (p < 0.05 and the sign)."""
-    word = lambda w: "n.s." if w is None or not w["significant"] else "gain" if w["diff"] < 0 else "worse"  # noqa: E731
+    """Whether AdamW's gain over prenorm survives Muon, from each one's welch() (p < 0.05 and the sign);
+    "–" where either has nothing to test (a cell with fewer than 2 seeds, or no spread)."""
+    if adamw is None or muon is None or adamw["p"] is None or muon["p"] is None:
+        return run_config.MISSING
+    word = lambda w: "gain" if w["significant"] and w["diff"] < 0 else "worse" if w["significant"] else "n.s."  # noqa: E731
     a, m = word(adamw), word(muon)
-    return {("gain", "gain"): "survives", ("gain", "n.s."): "gone", ("gain", "worse"): "reversed",
-            ("n.s.", "gain"): "appears"}.get((a, m), "n.s. under both" if a == m == "n.s." else f"{a} → {m}")
+    return {("gain", "gain"): "survives", ("gain", "n.s."): "n.s. under Muon", ("gain", "worse"): "reversed",
+            ("n.s.", "gain"): "only under Muon"}.get((a, m), "n.s. under both" if a == m == "n.s." else f"{a} → {m}")
 
 
 def optimizers_table(rows, baseline="prenorm"):
@@ -1048,8 +1069,10 @@ def optimizers_table(rows, baseline="prenorm"):
     mean = lambda v: "–" if not v else f"{run_config.mean_std(v)[0]:.4f}" + (  # noqa: E731
         f" ± {run_config.mean_std(v)[1]:.4f}" if len(v) > 1 else "") + f" ({len(v)})"
     lines = [f"Final val loss, mean ± std (seeds), under each optimizer; Δ vs {baseline} under the same optimizer "
-             f"with Welch's p; a gain is Δ < 0 at p < 0.05. Muon − AdamW: the design's loss under Muon minus "
-             f"under AdamW." + (f" {twice} run(s) read twice counted once." if twice else "")]
+             f"with Welch's p; a gain is Δ < 0 at p < 0.05 (n.s.: not significant, neither a match nor a "
+             f"difference). Δ change: Δ under Muon minus Δ under AdamW, with its p (Welch-Satterthwaite over the "
+             f"four cells; > 0: a smaller gain under Muon). Muon − AdamW: the design's loss under Muon minus under "
+             f"AdamW." + (f" {twice} run(s) read twice counted once." if twice else "")]
     for L, budget, muon in sorted({(L, b, o) for (o, _, L, b) in losses if o != "adamw"}):
         designs = [d for (o, d, l, b) in losses if o == muon and (l, b) == (L, budget)
                    and ("adamw", d, L, budget) in losses]
@@ -1059,14 +1082,19 @@ def optimizers_table(rows, baseline="prenorm"):
         get = lambda o, d: losses[(o if o == "adamw" else muon, d, L, budget)]  # noqa: E731
         lines += ["", f"**{L} layers, {budget:.3g} FLOPs**" + (f" (Muon: {muon[5:]})" if muon != "muon" else ""), "",
                   f"| design | AdamW | Δ vs {baseline} (AdamW) | Muon | Δ vs {baseline} (Muon) | the gain | "
-                  f"Muon − AdamW |", "|" + "---|" * 7]
+                  f"Δ change | Muon − AdamW |", "|" + "---|" * 8]
         for d in designs:
-            a = run_config.welch(get("adamw", d), get("adamw", baseline)) if d != baseline else None
-            m = run_config.welch(get("muon", d), get("muon", baseline)) if d != baseline else None
             own = run_config.welch(get("muon", d), get("adamw", d))
-            lines.append(f"| {d} | {mean(get('adamw', d))} | {fmt_p(a) if d != baseline else '–'} | "
-                         f"{mean(get('muon', d))} | {fmt_p(m) if d != baseline else '–'} | "
-                         f"{optimizer_verdict(a, m) if d != baseline else 'baseline'} | {fmt_p(own)} |")
+            if d == baseline:
+                lines.append(f"| {d} | {mean(get('adamw', d))} | – | {mean(get('muon', d))} | – | baseline | – "
+                             f"| {fmt_p(own)} |")
+                continue
+            a = run_config.welch(get("adamw", d), get("adamw", baseline))
+            m = run_config.welch(get("muon", d), get("muon", baseline))
+            change, p = gain_change(get("muon", d), get("muon", baseline), get("adamw", d), get("adamw", baseline))
+            change = "–" if p is None else f"{change:+.4f} (p = {p:.2g})"
+            lines.append(f"| {d} | {mean(get('adamw', d))} | {fmt_p(a)} | {mean(get('muon', d))} | {fmt_p(m)} | "
+                         f"{optimizer_verdict(a, m)} | {change} | {fmt_p(own)} |")
     if len(lines) == 1:
         raise ConfigError(f"no depth and budget with {baseline} under both AdamW and Muon in these CSVs: pass the "
                           f"AdamW sweeps' CSVs and the Muon sweep's together (e.g. python flops.py optimizers "

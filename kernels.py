@@ -1291,7 +1291,10 @@ def sinkhorn(logits, repeat=10, eps=1e-6, impl="auto"):
 
 @hc_post_mix_op.register_kernel("cpu")
 def hc_post_mix_fwd_torch(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor) -> Tensor:
-    """X' [..., n, d] in x's dtype: X'_j = sum_m h_res[m, j] X_m + h_post[j] out, in fp32."""
+    """X' [..., n, d] in x's dtype: X'_j = sum_m h_res[m, j] X_m + h_post[j] out, in fp32. The inputs are
+    detached: torch.matmul broadcasts a shared h_res by another path (another summation order) when an
+    input requires grad, and the op must give one result, eager or compiled."""
+    x, out, h_post, h_res = (t.detach() for t in (x, out, h_post, h_res))
     with fp32_math(x):
         xf = upcast(x)
         mixed = torch.matmul(upcast(h_res).transpose(-1, -2), xf)
@@ -1301,7 +1304,9 @@ def hc_post_mix_fwd_torch(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor)
 @hc_post_mix_backward_op.register_kernel("cpu")
 def hc_post_mix_bwd_torch(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor,
                           grad: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(grad x, grad out, grad h_post [..., n] fp32, grad h_res [..., n, n] fp32), per row."""
+    """(grad x, grad out, grad h_post [..., n] fp32, grad h_res [..., n, n] fp32), per row (inputs detached,
+    as the forward's)."""
+    x, out, h_post, h_res, grad = (t.detach() for t in (x, out, h_post, h_res, grad))
     with fp32_math(x):
         g, xf, of = upcast(grad), upcast(x), upcast(out)
         g_x = torch.matmul(upcast(h_res), g)  # dX_m = sum_j h_res[m, j] dX'_j

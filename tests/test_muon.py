@@ -285,13 +285,33 @@ def test_optimizers_table_reads_each_gain_under_both():
     text = flops.optimizers_table(rows)
     line = {row.split(" | ")[0][2:]: row for row in text.splitlines() if row.startswith("| prenorm")}
     assert "| survives |" in line["prenorm --value_residual='half'"]
-    assert "| gone |" in line["prenorm --norm_scaling=True"]
+    assert "| n.s. under Muon |" in line["prenorm --norm_scaling=True"]
     assert "| reversed |" in line["prenorm --value_residual='learned'"]
     assert "-0.1000 (p = " in line["prenorm --value_residual='half'"]
     from scipy import stats
     p = stats.ttest_ind([1.80, 1.81, 1.79], base, equal_var=False).pvalue  # Muon - AdamW for prenorm: Welch
     assert line["prenorm"].endswith(f"| -0.2000 (p = {p:.2g}) |")
     assert "**4 layers, 5e+12 FLOPs**" in text
+    rows += result_rows("adamw", "--norm_scaling=True", [1.9], n_layer=8) + result_rows("adamw", "", base, n_layer=8)
+    rows += result_rows("muon", "--norm_scaling=True", [1.7], n_layer=8) + result_rows("muon", "", base, n_layer=8)
+    one_seed = [r for r in flops.optimizers_table(rows).split("**8 layers")[1].splitlines() if "norm_scaling" in r]
+    assert one_seed[0].endswith("| – | – | – | – |")  # one seed: no test, no verdict
+
+
+def test_gain_change_is_the_difference_of_the_two_deltas_with_welch_satterthwaite():
+    """(Δ Muon) - (Δ AdamW) over four cells of seeds, against the formula written out: se^2 the sum of
+    s^2/n, df = se^4 / sum((s^2/n)^2 / (n - 1)), p two-sided from Student's t."""
+    import flops
+    from scipy import stats
+    cells = ([1.70, 1.73, 1.72], [1.75, 1.76, 1.74, 1.75], [1.90, 1.93], [2.00, 2.01, 2.02])
+    diff, p = flops.gain_change(*cells)
+    m = [sum(c) / len(c) for c in cells]
+    w = [sum((x - mc) ** 2 for x in c) / (len(c) - 1) / len(c) for c, mc in zip(cells, m)]
+    want = (m[0] - m[1]) - (m[2] - m[3])
+    df = sum(w) ** 2 / sum(wi ** 2 / (len(c) - 1) for wi, c in zip(w, cells))
+    assert diff == pytest.approx(want) and want > 0  # a smaller gain under Muon
+    assert p == pytest.approx(2 * stats.t.sf(want / sum(w) ** 0.5, df))
+    assert flops.gain_change([1.7], *cells[1:]) == (None, None)
 
 
 def test_optimizers_table_counts_a_run_read_twice_once_and_matches_old_csvs_by_their_flops():
