@@ -198,6 +198,8 @@ def tiny_train(data_dir, out_dir, **overrides):
     ("learning_rate", "-1e-3", ["learning_rate must be a number > 0, got -0.001", "--learning_rate="]),
     ("beta2", "1.5", ["beta2 must be in [0, 1)", "got 1.5", "--beta2=0.95"]),
     ("beta1", "-0.1", ["beta1 must be in [0, 1)"]),
+    ("beta1", "1", ["beta1 must be in [0, 1)", "got 1"]),  # the boundary (AdamW itself refuses it with a traceback, after out_dir exists)
+    ("beta2", "1.0", ["beta2 must be in [0, 1)", "got 1.0"]),
     ("warmup_iters", "-5", ["warmup_iters must be a whole number >= 0", "got -5"]),
     ("grad_clip", "-1.0", ["grad_clip must be a number >= 0 (0: no clipping)", "got -1.0"]),
     ("weight_decay", "-0.1", ["weight_decay must be a number >= 0", "got -0.1"]),

@@ -96,3 +96,14 @@ def test_mudd_init_and_shapes_are_the_published_ones():
     with pytest.raises(ValueError, match="mod=router does not work with residual=mudd"):
         GPTConfig(block_size=8, vocab_size=65, n_layer=2, n_head=2, n_embd=16, residual="mudd", mod="router",
                   mod_rate=0.25)
+
+
+def test_mudd_static_weights_take_no_decay_and_its_weight_mlp_does():
+    """The static mixing weights are mixing weights (no decay, as any); the weight MLP's w1 and w2 are
+    projections and decay like a Linear's weight."""
+    model = GPT(GPTConfig(block_size=8, vocab_size=65, n_layer=4, n_head=2, n_embd=16, residual="mudd"))
+    groups = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95)).param_groups
+    decayed = {id(p) for g in groups if g["weight_decay"] > 0 for p in g["params"]}
+    stream = model.stream
+    assert len(stream.static) and not any(id(p) in decayed for p in stream.static)
+    assert all(id(p) in decayed for p in (*stream.w1, *stream.w2))

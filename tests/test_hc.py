@@ -588,3 +588,19 @@ if __name__ == "__main__":
                       f"  (against 1/(1 + eps): {rows_eps:.3e}, {cols_eps:.3e})")
     finally:
         mp.undo()
+
+
+@pytest.mark.parametrize("mhc_res", ["sinkhorn", "birkhoff"])
+def test_mhc_h_res_starts_near_the_identity(mhc_res):
+    """At init every sublayer's H_res is close to the identity: about 0.99 on the diagonal for n = 4 (birkhoff:
+    mHC-lite's logits, 0 for the identity permutation and -8 for the others; sinkhorn: 2 I). Any doubly
+    stochastic H_res keeps equal streams equal, so the starts-as-prenorm test cannot see a uniform J/n or a
+    permuted start; this reads H_res itself, on unequal streams."""
+    model = GPT(tiny("mhc", mhc_res=mhc_res, hc_streams=4))
+    X = torch.randn(2, 8, 4, 16, generator=torch.Generator().manual_seed(0))
+    for l in range(len(model.sublayers)):
+        with torch.no_grad():
+            h_res = model.stream.mixes(X, l)[2]
+        diag = h_res.diagonal(dim1=-2, dim2=-1)
+        # birkhoff 0.994 (the identity's 0.992 and the 5 others that fix a stream); sinkhorn e^2 / (e^2 + 3) = 0.71
+        assert diag.min() > (0.99 if mhc_res == "birkhoff" else 0.7), (l, diag.min())
