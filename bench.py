@@ -1095,6 +1095,9 @@ def main(argv=None):
         raise ConfigError(f"unknown section '{cfg['section']}'; valid: {', '.join(SECTIONS)}")
     if cfg["dry_run"] and cfg["section"] != "gpu":
         raise ConfigError("--dry_run=True is the gpu section's: add --section=gpu")
+    for key in ("pairs", "max_iters", "tokens"):  # quickstart's and sample's counts
+        if isinstance(cfg[key], bool) or not isinstance(cfg[key], int) or cfg[key] < 1:
+            raise ConfigError(f"--{key}={cfg[key]}: give a whole number >= 1 (default {DEFAULTS[key]})")
     if cfg["optimizer"] not in ("adamw", "muon"):
         raise ConfigError(f"--optimizer={cfg['optimizer']}: give adamw or muon (the model and gpu sections' step)")
     UNSTEADY.clear()  # this run's measurements only

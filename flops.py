@@ -629,9 +629,17 @@ def read_results(path):
         raise ConfigError(f"no results file {path}: pass a sweep's results.csv (e.g. docs/sweep_mod_cpu.csv)")
     ints = {"seed", "n_layer", "iters", "tokens", "params"}
     text = {"run", "cell", "residual", "mod", "args", "status", "device"}
-    with open(path, newline="") as f:
-        return [{k: (v if k in text else None if v == "" else int(v) if k in ints else float(v))
-                 for k, v in r.items()} for r in csv.DictReader(f)]
+    not_results = (f"{path} is not a sweep's results.csv (its header has no run, cell, seed and val_loss columns, "
+                   f"or a row does not parse): pass out/<sweep>/results.csv or a copy in docs/")
+    try:
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            if not {"run", "cell", "seed", "val_loss"} <= set(reader.fieldnames or ()):
+                raise ConfigError(not_results)
+            return [{k: (v if k in text else None if v in ("", None) else int(v) if k in ints else float(v))
+                     for k, v in r.items() if k is not None} for r in reader]
+    except (ValueError, UnicodeDecodeError, csv.Error):
+        raise ConfigError(not_results) from None
 
 
 def csv_verb(argv, verb, defaults, name, what, takes, example):
@@ -722,7 +730,7 @@ MULTIPLIER_DEFAULTS = dict(
     baseline=None,  # the cell each cell is measured against; None: its depth's prenorm cell, else its first
     boot=1000,  # bootstrap resamples (over seeds, at every budget) for the 95% intervals
     boot_seed=0,  # the bootstrap's RNG seed: the same CSVs print the same intervals
-    out=None,  # the figure; None: <first csv without .csv>_multiplier.png, beside it
+    out=None,  # the figure; None: <first csv without .csv>_multiplier.png beside it, or in out/ for a CSV in docs/
 )
 
 
@@ -986,14 +994,18 @@ def plot_multiplier(rows, key, series, baseline, path):
 def multiplier(argv):
     """python flops.py multiplier out/<sweep>/results.csv ... [--baseline=CELL]: each cell's compute
     multiplier against its baseline at equal FLOPs and at equal time (training seconds), with 95%
-    bootstrap intervals, printed; the figure (FLOPs) beside the first CSV, or --out."""
+    bootstrap intervals, printed; the figure (FLOPs) beside the first CSV, or --out. A CSV in docs/ is a
+    committed result: its figure goes to out/ unless --out names where (docs/ keeps the one committed)."""
     files, cfg, rows = csv_verb(argv, "multiplier", MULTIPLIER_DEFAULTS, "MULTIPLIER_DEFAULTS",
                                 "compute multipliers from a budget sweep's results.csv (a sweep config with "
                                 "budgets = [...])", "results.csv of a budget sweep", "out/<sweep>/results.csv")
     check_baseline(cfg["baseline"], [c["cell"] for c in aggregate(rows)])
     text, series = multiplier_table(rows, "flops", cfg["baseline"], cfg["boot"], cfg["boot_seed"])
     timed, _ = multiplier_table(rows, "seconds", cfg["baseline"], cfg["boot"], cfg["boot_seed"])
-    path = cfg["out"] or os.path.splitext(files[0])[0] + "_multiplier.png"
+    name = os.path.splitext(files[0])[0] + "_multiplier.png"
+    in_docs = os.path.dirname(os.path.abspath(files[0])) == os.path.join(HERE, "docs")
+    path = cfg["out"] or (os.path.join(HERE, "out", os.path.basename(name)) if in_docs else name)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if series:
         plot_multiplier(rows, "flops", series, cfg["baseline"], path)
     text = text + "\n" + timed + (f"\nfigure: {path}\n" if series else "")

@@ -6,6 +6,7 @@ import this module (and model, kernels, configurator); no script imports another
 
 import contextlib
 import json
+import glob
 import math
 import os
 import pickle
@@ -120,6 +121,7 @@ def check_training_values(cfg, master=None):
         need(_number(cfg[key]) and 0 <= cfg[key] < 1, key, "in [0, 1) (AdamW's moment decay)", example)
     need(_number(cfg["weight_decay"]) and cfg["weight_decay"] >= 0, "weight_decay", "a number >= 0 (0: none)", 0.1)
     check_muon_values(cfg, need)
+    check_schedule(cfg)
     need(_number(cfg["grad_clip"]) and cfg["grad_clip"] >= 0, "grad_clip", "a number >= 0 (0: no clipping)", 1.0)
     need(isinstance(cfg["warmup_iters"], int) and not isinstance(cfg["warmup_iters"], bool)
          and cfg["warmup_iters"] >= 0, "warmup_iters", "a whole number >= 0 (0: no warm-up)", 100)
@@ -138,6 +140,24 @@ def check_training_values(cfg, master=None):
     if cfg["kernels"] == "triton" and (cfg["device"] == "cpu" or (cfg["device"] == "auto"
                                                                   and not torch.cuda.is_available())):
         print(KERNELS_ON_CPU, file=sys.stderr, flush=True)
+
+
+def check_schedule(cfg):
+    """The cosine's numbers that run but make no schedule: a floor above the peak (the "decay" climbs), and,
+    when max_iters plans the run (a FLOP or time budget plans lr_decay_iters itself), a decay that ends
+    inside the warm-up (the LR jumps from the warm-up straight to min_lr)."""
+    if not cfg["decay_lr"]:
+        return
+    lr, floor = cfg["learning_rate"], cfg["min_lr"]
+    if floor is not None and floor > lr:
+        raise ConfigError(f"min_lr {floor:g} is above learning_rate {lr:g}: the cosine would climb to it; lower "
+                          f"--min_lr (e.g. --min_lr={lr / 10:g}) or raise --learning_rate")
+    budget = cfg["max_flops"] is not None or cfg["max_seconds"] is not None
+    end, warm = cfg["lr_decay_iters"], cfg["warmup_iters"]
+    if not budget and end is not None and end < warm:
+        raise ConfigError(f"lr_decay_iters {end} ends inside the warm-up (warmup_iters {warm}): the LR would jump "
+                          f"from the warm-up straight to min_lr; raise --lr_decay_iters (e.g. to max_iters) or "
+                          f"lower --warmup_iters")
 
 
 MUON_KEYS = ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_adjust_lr")
@@ -214,6 +234,11 @@ def find_data(cfg, master=True):
     paths = {split: os.path.join(ddir, f"{split}.bin") for split in ("train", "val")}
     if not all(os.path.exists(p) for p in paths.values()):
         if cfg["dataset"] != "shakespeare_char":
+            if not os.path.isfile(os.path.join(REPO, "data", cfg["dataset"], "prepare.py")):  # a dataset we do not ship
+                shipped = sorted(d for d in os.listdir(os.path.join(REPO, "data"))
+                                 if os.path.isfile(os.path.join(REPO, "data", d, "prepare.py")))
+                raise ConfigError(f"no dataset {cfg['dataset']!r}: {paths['train']} is missing and data/ has no "
+                                  f"prepare.py for it; the datasets: {', '.join(shipped)} (--dataset=NAME)")
             raise ConfigError(f"missing {paths['train']} or val.bin: run "
                               f"python data/{cfg['dataset']}/prepare.py first")
         if master:
@@ -270,6 +295,11 @@ def load_checkpoint(path, device, reader=False):
     trained run (sample.py, tradeoff.py, bench.py, plot.py), so the fix is the --out_dir of one; else it
     is train.py resuming, which may start over instead (--init_from=scratch)."""
     if not os.path.exists(path):
+        kept = sorted(glob.glob(os.path.join(os.path.dirname(path), "run-*", "ckpt.pt")))  # earlier runs set aside
+        if reader and kept:
+            raise ConfigError(f"no checkpoint at {path}, but earlier runs there hold one: "
+                              f"{', '.join(os.path.dirname(k) for k in kept[-3:])}"
+                              f"{' and more' if len(kept) > 3 else ''}; pass one as --out_dir=DIR")
         if reader:
             raise ConfigError(f"no checkpoint at {path}: pass --out_dir=DIR, the folder of a trained run "
                               f"(python train.py ... --out_dir=DIR writes DIR/ckpt.pt)")

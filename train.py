@@ -48,8 +48,11 @@ WANDB_NAMES = {"train_loss": "train/loss", "val_loss": "val/loss"}  # log.jsonl'
 EARLY_STEPS = 5  # a process's first timed progress line comes at most this many steps after its first step
 EVAL_PROGRESS_S = 10.0  # an eval running longer prints its progress this often (seconds)
 SLOW_EVAL_S, SLOW_RUN_S = 300.0, 3600.0  # on the CPU, an eval or a run estimated longer than this is warned about
-SLOW_HINT = ("a configuration sized for a GPU? On a CPU: config/shakespeare_char_cpu.py, or lower --eval_iters, "
+CPU_CONFIG = "config/shakespeare_char_cpu.py"  # the quickstart: what the slow-run hint suggests on a CPU
+SLOW_HINT = (f"a configuration sized for a GPU? On a CPU: {CPU_CONFIG}, or lower --eval_iters, "
              "--max_iters and the model (--n_layer, --n_embd). Ctrl-C stops the run with a checkpoint")
+LOADED_HINT = ("other work on the cores? (this run's configuration is already the CPU one) Or lower --eval_iters, "
+               "--max_iters and the model (--n_layer, --n_embd). Ctrl-C stops the run with a checkpoint")
 
 
 # -----------------------------------------------------------------------------
@@ -571,7 +574,7 @@ class Trainer:
         if self.device.type == "cpu" and spent + left > SLOW_EVAL_S and not self.warned_slow_eval:
             self.warned_slow_eval = True
             print(f"WARNING: on the CPU each eval of this run takes about {format_duration(spent + left)} ({n} "
-                  f"batches of {self.cfg['batch_size']} x {self.cfg['block_size']} tokens); {SLOW_HINT}",
+                  f"batches of {self.cfg['batch_size']} x {self.cfg['block_size']} tokens); {self.slow_hint()}",
                   file=sys.stderr, flush=True)
 
     def evaluate(self, lr):
@@ -808,8 +811,13 @@ class Trainer:
         if left > SLOW_RUN_S:
             evals = f", evals about {format_duration(eval_s)} each" if eval_s is not None else ""
             print(f"WARNING: on the CPU this run takes about {format_duration(left)} more at its first steps' pace "
-                  f"({dt * 1000:,.0f} ms/iter{evals}, to iter {self.cfg['max_iters']}); {SLOW_HINT}",
+                  f"({dt * 1000:,.0f} ms/iter{evals}, to iter {self.cfg['max_iters']}); {self.slow_hint()}",
                   file=sys.stderr, flush=True)
+
+    def slow_hint(self):
+        """What to do about a slow run: the CPU config, unless the command line already names it."""
+        named = any(os.path.normpath(a).endswith(os.path.normpath(CPU_CONFIG)) for a in self.argv)
+        return LOADED_HINT if named else SLOW_HINT
 
     def eta(self, dt, eval_s=None):
         """Seconds left after this iteration at dt seconds per iteration (None: no step timed yet). The

@@ -74,6 +74,13 @@ def test_bench_rejects_an_unknown_section():
         bench.main(["--section=kernel", "--reps=1"])
 
 
+@pytest.mark.parametrize("arg", ["--pairs=0", "--pairs=-1", "--max_iters=0", "--tokens=-5"])
+def test_a_count_below_one_is_a_one_line_error(arg):
+    """quickstart's and sample's counts: 0 or less used to end in a traceback (a median of nothing)."""
+    with pytest.raises(ConfigError, match=f"{arg}: give a whole number >= 1"):
+        bench.main(["--section=quickstart", arg])
+
+
 def test_bench_compile_prints_every_mode_and_variant(capsys, tiny_steps):
     """--section=compile's table (one layer and two modes here, to stay quick): each mode in every
     variant, with saved-activation ratios to prenorm (the compiled ones through AOTAutograd's partitioner,

@@ -204,6 +204,8 @@ def tiny_train(data_dir, out_dir, **overrides):
     ("grad_clip", "-1.0", ["grad_clip must be a number >= 0 (0: no clipping)", "got -1.0"]),
     ("weight_decay", "-0.1", ["weight_decay must be a number >= 0", "got -0.1"]),
     ("min_lr", "-1e-4", ["min_lr must be a number >= 0"]),
+    ("min_lr", "2e-3", ["min_lr 0.002 is above learning_rate 0.0006", "--min_lr=6e-05"]),  # the decay would climb
+    ("lr_decay_iters", "0", ["lr_decay_iters 0 ends inside the warm-up (warmup_iters 1)", "--lr_decay_iters"]),
 ])
 def test_train_refuses_optimizer_values_before_touching_out_dir(data_dir, tmp_path, key, value, needles):
     """A learning rate or beta AdamW cannot take used to be its traceback, after out_dir was made (left

@@ -689,3 +689,14 @@ def test_the_readme_command_for_mhc_at_equal_flops_gives_its_numbers(capsys):
                                   text.split("against a baseline cell")[1].splitlines()) if r and r[0].startswith("mhc_")}
     assert [(rows[f"mhc_L{L}"][0], f"{float(rows[f'mhc_L{L}'][1]):+.3f}") for L in (2, 4, 8)] == [
         ("prenorm_L2", "+0.025"), ("prenorm_L4", "+0.017"), ("prenorm_L8", "+0.009")], rows
+
+
+@pytest.mark.parametrize("content", [b"# a Markdown page\n\nsome text, with a comma\n", b"a,b\n1,2\n",
+                                     b"\xff\xfe\x00binary", b"run,cell,seed,val_loss\nr1,c,one,2.0\n"])
+def test_results_refuses_a_file_that_is_not_a_results_csv(content, tmp_path):
+    """flops.py results (and multiplier, optimizers: one reader) given another file: a one-line error that
+    says what to pass, not a traceback from deep in the parsing."""
+    path = tmp_path / "x.csv"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match="is not a sweep's results.csv .* pass out/<sweep>/results.csv"):
+        flops.main(["results", str(path)])

@@ -123,6 +123,21 @@ def test_two_budgets_fall_back_to_interpolation(tmp_path):
     assert rows["4e+12"][3] == "none: extrapolated"
 
 
+def test_a_committed_csv_keeps_its_committed_figure(tmp_path, monkeypatch):
+    """Run on a CSV in docs/ (a committed result), the figure goes to out/, not over docs/'s tracked one;
+    --out still writes where it says."""
+    monkeypatch.setattr(flops, "HERE", str(tmp_path))
+    (tmp_path / "docs").mkdir()
+    path = write_csv(tmp_path / "docs" / "r.csv", [1e12, 4e12], {"prenorm": (base_loss, 1e-10), "nag": (two_x, 1e-10)})
+    (tmp_path / "docs" / "r_multiplier.png").write_bytes(b"the committed figure")
+    text = flops.multiplier([str(path), "--boot=20"])
+    assert (tmp_path / "docs" / "r_multiplier.png").read_bytes() == b"the committed figure"
+    assert (tmp_path / "out" / "r_multiplier.png").stat().st_size > 0
+    assert f"figure: {tmp_path / 'out' / 'r_multiplier.png'}" in text
+    flops.multiplier([str(path), "--boot=20", f"--out={tmp_path / 'docs' / 'r_multiplier.png'}"])
+    assert (tmp_path / "docs" / "r_multiplier.png").read_bytes() != b"the committed figure"
+
+
 def test_bootstrap_reproducible_and_covers(tmp_path):
     """The same CSV and boot_seed print the same table; another boot_seed another one; over 15 noisy sweeps
     the 95% interval at 1.25x holds the truth at least 13 times."""

@@ -167,3 +167,16 @@ def test_every_relative_link_finds_its_file_and_heading():
                 assert anchor in anchors(dest), f"{page.name}: link to {target}, no such heading in {dest.name}"
             checked += 1
     assert checked > 20
+
+
+def test_the_mod_table_lists_the_residual_modes_each_mod_works_with():
+    """README's Mixture-of-Depths table: each MoD mode's "works with" cell names exactly the residual modes
+    whose class lists it in `mods` (the registry is the truth; the table used to leave dwa and scalars out)."""
+    from model import MODS, RESIDUALS
+    section = README.read_text().split("## Mixture-of-Depths", 1)[1].split("\n## ", 1)[0]
+    rows = {m[1]: m[2] for m in re.finditer(r"^\| `(\w+)` \| ([^|]*) \|", section, re.M) if m[1] in MODS}
+    assert set(rows) == {name for name, cls in MODS.items() if cls is not None}
+    for mod, cell in rows.items():
+        named = set(re.findall(r"`(?:residual=)?(\w+)`", cell))
+        works = {r for r, cls in RESIDUALS.items() if mod in cls.mods}
+        assert named & set(RESIDUALS) == works, f"README's {mod} row names {sorted(named)}, the code {sorted(works)}"

@@ -296,6 +296,25 @@ def test_a_slow_cpu_run_warns_from_its_first_steps(data_dir, tmp_path, in_proces
                               "(20,000 ms/iter, evals about 0s each, to iter 1000)")
 
 
+def test_a_slow_run_of_the_cpu_config_does_not_suggest_the_cpu_config(data_dir, tmp_path, in_process, fake_clock,
+                                                                       monkeypatch, capsys):
+    """The same slow first steps, run from config/shakespeare_char_cpu.py: the hint names a loaded machine,
+    not the config that is already running."""
+    train_step = train.train_step
+
+    def step(*args, **kw):
+        fake_clock.now[0] += 20.0
+        return train_step(*args, **kw)
+    monkeypatch.setattr(train, "train_step", step)
+    monkeypatch.setattr(train, "batch_generator", stop_at(7, 0))
+    with pytest.raises(train.Interrupted):
+        in_process([train.CPU_CONFIG, *tiny_args(data_dir, tmp_path / "out", max_iters=1000, lr_decay_iters=1000,
+                                                 eval_interval=500, log_interval=100, eval_iters=1)])
+    (warning,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("WARNING")]
+    assert "other work on the cores? (this run's configuration is already the CPU one)" in warning
+    assert "On a CPU: config/shakespeare_char_cpu.py" not in warning
+
+
 def test_float16_on_the_cpu_warns(data_dir, tmp_path, in_process, capsys):
     in_process(tiny_args(data_dir, tmp_path / "out", dtype="float16", eval_only=True, eval_iters=1))
     assert "WARNING: float16 on the CPU has no fast kernels" in capsys.readouterr().err

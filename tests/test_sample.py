@@ -4,6 +4,8 @@ Checkpoints are written directly in train.py's format (run_config.save_checkpoin
 run_config.load_codec read) from a tiny model trained for a few AdamW steps in-process: n_layer 2, n_embd 32.
 """
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,6 +186,18 @@ def test_a_missing_checkpoint_names_the_out_dir_to_pass(tmp_path, capsys):
         run_sample(tmp_path, capsys)
     assert str(e.value).startswith(f"no checkpoint at {tmp_path / 'ckpt.pt'}: pass --out_dir=DIR")
     assert "init_from" not in str(e.value)
+
+
+def test_a_missing_checkpoint_names_the_earlier_runs_that_hold_one(mod_ckpt, tmp_path, capsys):
+    """After a fresh start that saved nothing (--max_iters=0) the earlier run sits in out_dir/run-*/: the
+    error names that folder, and sampling from it works."""
+    kept = tmp_path / "run-20260101-120000"
+    kept.mkdir()
+    shutil.copy(Path(mod_ckpt) / "ckpt.pt", kept / "ckpt.pt")
+    with pytest.raises(ConfigError) as e:
+        run_sample(tmp_path, capsys)
+    assert f"earlier runs there hold one: {kept}; pass one as --out_dir=DIR" in str(e.value)
+    run_sample(kept, capsys)
 
 
 def test_kernels_triton_on_a_cpu_is_said(mod_ckpt, capsys):

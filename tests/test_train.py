@@ -244,6 +244,13 @@ def test_missing_dataset_names_its_prepare_script(tmp_path):
     assert_one_line_error(r, str(tmp_path / "openwebtext" / "train.bin"), "python data/openwebtext/prepare.py")
 
 
+def test_an_unknown_dataset_lists_the_datasets(tmp_path):
+    """No data/<name>/prepare.py to run: the error lists the datasets that have one."""
+    r = run_train_here(tiny_args(tmp_path, tmp_path / "out", dataset="nosuch"))
+    line = assert_one_line_error(r, "no dataset 'nosuch'", "shakespeare_char", "openwebtext")
+    assert "prepare.py first" not in line
+
+
 def test_resume_without_checkpoint(data_dir, tmp_path):
     r = run_train_here(tiny_args(data_dir, tmp_path / "out", init_from="resume"))
     assert_one_line_error(r, "no checkpoint at", str(tmp_path / "out" / "ckpt.pt"), "--init_from=scratch")
