@@ -297,3 +297,19 @@ def test_gpu_mode_rows_step_muon_when_asked(tmp_path, monkeypatch):
     built.clear()
     bench.main(["--section=gpu", "--dry_run=True", f"--results={tmp_path / 'r.md'}", "--parts=modes", "--compiled="])
     assert built and MuonAdamW not in built
+
+
+def test_the_correctness_check_holds_each_dtype_to_its_own_tolerance():
+    """A fused output 1e-3 off (relative) is a FAIL in fp32 (tolerance 2e-4) and within bf16's 3e-2: an fp32
+    kernel held to bf16's tolerance would pass the fault. The exact one passes in both."""
+    def ref(x, w):
+        return x * w
+
+    def off(x, w):
+        return x * w * (1 + 1e-3)
+    x, w = torch.randn(8, 32, generator=torch.Generator().manual_seed(0)), torch.rand(32) + 0.5
+    for dtype, faulty in ((torch.float32, "FAIL"), (torch.bfloat16, "ok")):
+        inputs = [x.to(dtype), w.to(dtype)]
+        assert bench.check_kernel(inputs, ref, ref)["result"] == "ok", dtype
+        result = bench.check_kernel(inputs, ref, off)
+        assert result["result"] == faulty and result["tol"] == bench.CHECK_TOL[dtype], (dtype, result)

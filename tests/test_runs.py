@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import guards
 import run_config
 import train
 from configurator import ConfigError
@@ -350,3 +351,22 @@ def test_the_end_of_a_run_says_what_it_left(always_save, data_dir, tmp_path, in_
                          f"python sample.py --out_dir={out}")
     if not always_save:
         assert ckpt["best_val_loss"] == pytest.approx(best, abs=1e-6)
+
+
+def test_a_start_in_the_same_second_as_a_kept_run_gets_its_own_folder(tmp_path):
+    """Two runs that started in the same second: the second one set aside goes to run-<start>-2 (then -3),
+    never over the first, deterministically (a fresh start hits this only by timing luck)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    started = 1_790_000_000.0
+    name = time.strftime("run-%Y%m%d-%H%M%S", time.localtime(started))
+    kept = out / name
+    kept.mkdir()
+    (kept / "ckpt.pt").write_bytes(b"the kept run")
+    for n, content in ((2, b"second"), (3, b"third")):
+        (out / "config.json").write_text(json.dumps({"started": started}))
+        (out / "ckpt.pt").write_bytes(content)
+        folder = guards.set_aside_previous_run(str(out))
+        assert Path(folder) == out / f"{name}-{n}" and (Path(folder) / "ckpt.pt").read_bytes() == content
+        assert not (out / "ckpt.pt").exists()
+    assert (kept / "ckpt.pt").read_bytes() == b"the kept run"
