@@ -32,7 +32,7 @@ from configurator import ConfigError, configure
 from run_config import DEFAULTS, MODEL_KEYS, RUN_KEYS
 
 GRAD_CHECK_STEPS = 5  # compile=True: the first log iteration this many steps into a run checks for zero gradients
-RUN_FILES = ("ckpt.pt", "ckpt_best.pt", "log.jsonl", "config.json")  # what a run writes into its out_dir
+RUN_FILES = ("ckpt.pt", "ckpt_best.pt", "log.jsonl", "log.jsonl.torn", "config.json")  # what a run writes in out_dir
 # a resume: the keys each process sets for itself (never taken from the checkpoint), the budget (never
 # changed), and the plan: what the run trains, which only the command line may change
 OWN_KEYS = ("init_from", "eval_only", "out_dir", "device", "dtype", "compile", "kernels", "wandb_log",
@@ -102,6 +102,25 @@ def set_aside_previous_run(out_dir):
     print(f"{out_dir} held an earlier run (started {time.strftime('%Y-%m-%d %H:%M:%S', started)}): moved its "
           f"{', '.join(files)} to {folder}{use}", flush=True)
     return folder
+
+
+def repair_torn_log(log_path):
+    """A resume, before it appends: a log.jsonl whose last line was cut mid-write (no newline at its end)
+    would have the next record glued onto it, losing that eval. The torn bytes move to log.jsonl.torn (appended
+    there, so nothing is lost) and the log ends at its last whole line; says so. Returns the bytes moved."""
+    if not os.path.isfile(log_path):
+        return 0
+    with open(log_path, "rb+") as f:
+        data = f.read()
+        if not data or data.endswith(b"\n"):
+            return 0
+        keep = data.rfind(b"\n") + 1
+        with open(log_path + ".torn", "ab") as torn:
+            torn.write(data[keep:] + b"\n")
+        f.truncate(keep)
+    print(f"{log_path}: its last line was cut mid-write ({len(data) - keep} bytes, no newline): moved to "
+          f"{log_path}.torn; the log goes on from its last whole line", flush=True)
+    return len(data) - keep
 
 
 def write_run_record(out_dir, cfg, argv, world):

@@ -5,8 +5,8 @@ import this module (and model, kernels, configurator); no script imports another
 """
 
 import contextlib
-import json
 import glob
+import json
 import math
 import os
 import pickle
@@ -444,8 +444,9 @@ def load_log(out_dir):
                 continue
             try:
                 r = json.loads(line)
-            except json.JSONDecodeError:
-                raise ConfigError(f"{path} line {n} is not JSON") from None
+            except json.JSONDecodeError:  # a line cut mid-write (a crash, a full disk): the others still count
+                print(f"warning: {path} line {n} is not JSON (cut mid-write?): skipped", file=sys.stderr, flush=True)
+                continue
             # a run resumed from an older checkpoint logs some iters again: the later record wins
             records[r["iter"]] = r
     return [records[i] for i in sorted(records)]

@@ -36,7 +36,7 @@ from configurator import ConfigError, configure
 from flops import counted_dense, iterations_for_budget, mfu, train_flops_per_token
 from guards import (Interrupted, StopSignals, TrainingStopped, ZeroGradientCheck, check_bad_steps,
                     check_resume_changes, check_writable, explicit_keys, keep_best_checkpoint, key_sources,
-                    resolve_model_args, restore_rng, resume_command, resumed_config, rng_state,
+                    repair_torn_log, resolve_model_args, restore_rng, resume_command, resumed_config, rng_state,
                     set_aside_previous_run, write_run_record)
 from model import GPT
 from run_config import (DEFAULTS, EVAL_SEED, HELP_FROM, find_data, get_batch, load_checkpoint, model_config,
@@ -361,6 +361,8 @@ class Trainer:
         if self.cfg["init_from"] == "scratch" and self.master:
             set_aside_previous_run(self.cfg["out_dir"])
             write_run_record(self.cfg["out_dir"], self.cfg, self.argv, self.world)
+        elif self.master:  # a resume appends to the log: not onto a line cut mid-write
+            repair_torn_log(self.log_path)
 
     def build_model(self, ckpt):
         """The model, AdamW and the fp16 grad scaler, restored from ckpt when resuming; then compiled

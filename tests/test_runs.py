@@ -370,3 +370,26 @@ def test_a_start_in_the_same_second_as_a_kept_run_gets_its_own_folder(tmp_path):
         assert Path(folder) == out / f"{name}-{n}" and (Path(folder) / "ckpt.pt").read_bytes() == content
         assert not (out / "ckpt.pt").exists()
     assert (kept / "ckpt.pt").read_bytes() == b"the kept run"
+
+
+def test_a_resume_sets_a_torn_last_log_line_aside(data_dir, tmp_path, in_process, capsys):
+    """log.jsonl's last line cut mid-write (no newline): the resume moves the torn bytes to log.jsonl.torn, says
+    so, and its own evals follow as whole lines; every line of the log is JSON and no eval is lost."""
+    out = tmp_path / "out"
+    in_process(tiny_args(data_dir, out, max_iters=4))
+    with open(out / "log.jsonl", "a") as f:
+        f.write('{"iter": 99, "val_loss": ')
+    capsys.readouterr()
+    in_process(tiny_args(data_dir, out, init_from="resume", max_iters=8))
+    assert "its last line was cut mid-write (25 bytes, no newline): moved to" in capsys.readouterr().out
+    lines = (out / "log.jsonl").read_text().splitlines()
+    assert [json.loads(line)["iter"] for line in lines] == [0, 2, 4, 6, 8]
+    assert (out / "log.jsonl.torn").read_text() == '{"iter": 99, "val_loss": \n'
+
+
+def test_a_reader_skips_a_bad_log_line_and_names_it(tmp_path, capsys):
+    """plot.py and flops.py read logs with run_config.load_log: a line that is not JSON is skipped with a
+    warning naming it, not the whole log refused."""
+    (tmp_path / "log.jsonl").write_text('{"iter": 0, "val_loss": 4.0}\n{"iter": 2, "val_l\n{"iter": 4, "val_loss": 3.0}\n')
+    assert [r["iter"] for r in run_config.load_log(tmp_path)] == [0, 4]
+    assert f"{tmp_path / 'log.jsonl'} line 2 is not JSON (cut mid-write?): skipped" in capsys.readouterr().err
