@@ -598,11 +598,14 @@ class Trainer:
                 print(f"eval at iter {self.iter_num}: stopped by {signal.Signals(self.stop.signum).name}; "
                       f"a resume runs it first", flush=True)
             else:
-                self.log_eval(losses, lr, flops)
+                record = self.eval_record(losses, lr, flops)
+                print(f"step {self.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+                self.last_losses = losses
                 improved = losses["val"] < self.best_val_loss
                 self.best_val_loss = min(self.best_val_loss, losses["val"])
                 if self.iter_num > 0 and not cfg["eval_only"] and (improved or cfg["always_save_checkpoint"]):
                     self.save(rngs, flops, self.seconds, losses["val"])  # eval_only: the checkpoint it read stays
+                self.log_eval(record)  # after the save: a failed save leaves no eval the resume will not have
                 if self.evals_run:  # the process's first eval also warms the eval path up: no measure of the next
                     self.eval_s = time.time() - t_eval
                 else:
@@ -612,11 +615,8 @@ class Trainer:
         self.flops_last, self.stats.exec_sum, self.stats.exec_n = flops, None, 0
         self.t_last, self.log_iters, self.flops_mark = time.time(), 0, self.stats.flops
 
-    def log_eval(self, losses, lr, flops):
-        """An eval's losses: printed, a line of log.jsonl and, with wandb_log, to wandb."""
-        record = self.eval_record(losses, lr, flops)
-        print(f"step {self.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-        self.last_losses = losses
+    def log_eval(self, record):
+        """An eval's record: a line of log.jsonl and, with wandb_log, to wandb."""
         with open(self.log_path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.wandb_run:  # the record's numbers (lists, None and the diagnostics stay in log.jsonl)
@@ -662,9 +662,14 @@ class Trainer:
                 "iter_num": self.iter_num, "best_val_loss": self.best_val_loss, "config": self.cfg, "rng": rngs,
                 "flops": flops, "seconds": seconds, "eval_due": self.eval_due,
             }, self.ckpt_path)
-        except BaseException:
+        except BaseException as e:
             with contextlib.suppress(OSError):
                 os.remove(self.ckpt_path + ".tmp")
+            if isinstance(e, OSError):  # a full disk, a folder gone: one line, the last checkpoint kept
+                resume = (f"; free space and resume with: {resume_command(self.argv, self.cfg['out_dir'], self.world)}"
+                          if self.ckpt_saved else "; free space and start again")
+                raise TrainingStopped(f"could not write the checkpoint of iter {self.iter_num} ({e.strerror or e})"
+                                      f"{self.kept()}{resume}") from None
             raise
         self.ckpt_saved = (self.iter_num, val_loss)
         print(f"saved checkpoint to {self.ckpt_path}")

@@ -393,3 +393,32 @@ def test_a_reader_skips_a_bad_log_line_and_names_it(tmp_path, capsys):
     (tmp_path / "log.jsonl").write_text('{"iter": 0, "val_loss": 4.0}\n{"iter": 2, "val_l\n{"iter": 4, "val_loss": 3.0}\n')
     assert [r["iter"] for r in run_config.load_log(tmp_path)] == [0, 4]
     assert f"{tmp_path / 'log.jsonl'} line 2 is not JSON (cut mid-write?): skipped" in capsys.readouterr().err
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_the_log_matches_the_checkpoint(data_dir, tmp_path, monkeypatch):
+    """The save of iter 4 fails with ENOSPC: one line that says the checkpoint of iter 2 is as it was and how to
+    resume; log.jsonl holds no eval that the checkpoint does not (it used to read 0, 2, 4 and then 4 again after
+    the resume), and the resume then goes on as a straight run."""
+    import errno
+    from test_train import assert_one_line_error, run_train_here
+    real, saves = train.save_checkpoint, []
+
+    def full(obj, path):
+        saves.append(obj["iter_num"])
+        if obj["iter_num"] == 4:
+            with open(path + ".tmp", "wb") as f:
+                f.write(b"half a checkpoint")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(obj, path)
+    monkeypatch.setattr(train, "save_checkpoint", full)
+    out = tmp_path / "out"
+    r = run_train_here(tiny_args(data_dir, out, max_iters=8))
+    line = assert_one_line_error(r, "could not write the checkpoint of iter 4 (No space left on device)",
+                                 f"{out / 'ckpt.pt'} is as it was (iter 2)", "resume with: python train.py")
+    assert "--init_from=resume" in line and saves == [2, 4]
+    assert not (out / "ckpt.pt.tmp").exists() and load_ckpt(out)["iter_num"] == 2
+    assert [x["iter"] for x in read_log(out)] == [0, 2]
+    monkeypatch.setattr(train, "save_checkpoint", real)
+    r = run_train_here(tiny_args(data_dir, out, max_iters=8, init_from="resume"))
+    assert r.returncode == 0, r.stderr
+    assert [x["iter"] for x in read_log(out)] == [0, 2, 4, 6, 8]
