@@ -452,14 +452,19 @@ def main(argv):
     else:
         fig, text = routing(out_dirs[0], cfg["text"], cfg["batches"])
     out = cfg["out"] or default_out(cmd, out_dirs)  # after drawing: a run that fails leaves nothing behind
-    if cmd == "routing":
-        md = os.path.splitext(out)[0] + ".md"
-        with open(md, "w") as f:
-            f.write(text + "\n")
-        print(text)
-        print(md)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)  # pyplot keeps every open figure alive otherwise
+    try:
+        if cmd == "routing":
+            md = os.path.splitext(out)[0] + ".md"
+            with open(md, "w") as f:
+                f.write(text + "\n")
+            print(text)
+            print(md)
+        fig.savefig(out, dpi=120)
+    except OSError as e:  # a read-only run folder, a full disk: say where else to write
+        raise ConfigError(f"cannot write {out} ({e.strerror or e}): pass --out=PATH somewhere writable "
+                          f"(e.g. --out=/tmp/{cmd}.png)") from None
+    finally:
+        plt.close(fig)  # pyplot keeps every open figure alive otherwise
     print(out)
     return fig
 

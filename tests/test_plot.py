@@ -198,6 +198,19 @@ def test_loss(runs, tmp_path):
     assert "solid: val, dashed: train" in ax.get_ylabel()  # what the one entry per run leaves out
 
 
+def test_a_figure_that_cannot_be_written_says_where_to_write_it(runs, monkeypatch):
+    """A read-only run folder (root writes anywhere, so the write is made to fail): one line naming the file and
+    --out, not a traceback."""
+    import matplotlib.figure
+
+    def read_only(self, path, **kw):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", read_only)
+    with pytest.raises(ConfigError, match=r"cannot write .*loss.png \(Permission denied\): pass --out=PATH "
+                                          r"somewhere writable \(e.g. --out=/tmp/loss.png\)"):
+        plot.main(["loss", runs["nag"]])
+
+
 def test_table(runs, tmp_path):
     out = tmp_path / "table.md"
     text = plot.main(["table", runs["nag"], runs["prenorm"], f"--out={out}"])
