@@ -144,8 +144,8 @@ def check_training_values(cfg, master=None):
 
 def check_schedule(cfg):
     """The cosine's numbers that run but make no schedule: a floor above the peak (the "decay" climbs), and,
-    when max_iters plans the run (a FLOP or time budget plans lr_decay_iters itself), a decay that ends
-    inside the warm-up (the LR jumps from the warm-up straight to min_lr)."""
+    when max_iters plans the run (a FLOP or time budget plans lr_decay_iters itself) and the run outlasts its
+    warm-up, a decay that ends inside the warm-up (the LR jumps from the warm-up straight to min_lr)."""
     if not cfg["decay_lr"]:
         return
     lr, floor = cfg["learning_rate"], cfg["min_lr"]
@@ -154,7 +154,7 @@ def check_schedule(cfg):
                           f"--min_lr (e.g. --min_lr={lr / 10:g}) or raise --learning_rate")
     budget = cfg["max_flops"] is not None or cfg["max_seconds"] is not None
     end, warm = cfg["lr_decay_iters"], cfg["warmup_iters"]
-    if not budget and end is not None and end < warm:
+    if not budget and end is not None and end < warm < cfg["max_iters"]:  # a run all warm-up never jumps
         raise ConfigError(f"lr_decay_iters {end} ends inside the warm-up (warmup_iters {warm}): the LR would jump "
                           f"from the warm-up straight to min_lr; raise --lr_decay_iters (e.g. to max_iters) or "
                           f"lower --warmup_iters")
