@@ -66,15 +66,15 @@ def reference_logits(model, idx, weights, k):
     return model.lm_head(rms_norm(x, stream.norm_f.weight))
 
 
-@pytest.mark.parametrize("k,p", [(1, 1), (2, 1), (1, 2), (2, 3), (3, 2)])
-def test_dwa_matches_the_published_code(k, p):
+@pytest.mark.parametrize("k,p,L", [(1, 1, 6), (2, 1, 6), (1, 2, 6), (2, 3, 6), (3, 2, 6), (1, 2, 7), (2, 3, 7)])
+def test_dwa_matches_the_published_code(k, p, L):
     """Logits at every position, float64, for dilations and periods that leave some blocks without a
-    DWA and groups without the embedding."""
-    config = GPTConfig(block_size=8, vocab_size=65, n_layer=6, n_head=2, n_embd=16, residual="dwa",
+    DWA and groups without the embedding; at L = 7 no period divides L, so the last block has no DWA."""
+    config = GPTConfig(block_size=8, vocab_size=65, n_layer=L, n_head=2, n_embd=16, residual="dwa",
                        dwa_dilation=k, dwa_period=p)
     torch.manual_seed(0)
     model = GPT(config).double().eval()
-    weights = reference_weights(6, k, p, seed=k * 10 + p)
+    weights = reference_weights(L, k, p, seed=k * 10 + p)
     load(model, weights, k, p)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():

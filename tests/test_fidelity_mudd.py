@@ -62,9 +62,11 @@ def reference_logits(model, idx):
     return model.lm_head(rms_norm(x[0], s.norm_f.weight))[..., :model.config.vocab_size]
 
 
-@pytest.mark.parametrize("ways", [4, 1])
-def test_mudd_matches_the_published_code(ways):
-    config = GPTConfig(block_size=8, vocab_size=65, n_layer=4, n_head=2, n_embd=16, residual="mudd", mudd_ways=ways)
+@pytest.mark.parametrize("ways, L", [(4, 4), (1, 4), (4, 16)])
+def test_mudd_matches_the_published_code(ways, L):
+    """Logits in float64, the mixing weights moved off init; at L = 16 the deepest blocks' weight MLPs are
+    wider (128 against 64: their width grows with the connections they mix)."""
+    config = GPTConfig(block_size=8, vocab_size=65, n_layer=L, n_head=2, n_embd=16, residual="mudd", mudd_ways=ways)
     torch.manual_seed(0)
     model = GPT(config).double().eval()
     g = torch.Generator().manual_seed(1)
@@ -73,6 +75,8 @@ def test_mudd_matches_the_published_code(ways):
             p.add_((0.5 if name.startswith(("w2", "static")) else 0.2) * torch.randn(p.shape, generator=g,
                                                                                       dtype=p.dtype))
     idx = torch.randint(0, 65, (2, 8), generator=g)
+    if L == 16:
+        assert {w.shape[0] for w in model.stream.w1} == {64, 128}
     logits = model(idx, idx)[0]
     torch.testing.assert_close(logits, reference_logits(model, idx), rtol=1e-10, atol=1e-10)
 
