@@ -10,6 +10,7 @@ indexing, so a wrong group, row or order cannot pass by accident."""
 import pytest
 import torch
 
+from fidelity import assert_same_gradients, perturb_backbone
 from model import GPT, GPTConfig
 
 EPS = 1e-6  # the model's RMSNorm epsilon
@@ -80,9 +81,14 @@ def test_dwa_matches_the_published_code(k, p, L):
     with torch.no_grad():
         for norm in model.stream.norms:
             norm.weight.add_(0.2 * torch.randn(norm.weight.shape, generator=g, dtype=torch.float64))
+    perturb_backbone(model, seed=2)
     idx = torch.randint(0, 65, (2, 8), generator=g)
     logits = model(idx, idx)[0]  # with targets: every position
     torch.testing.assert_close(logits, reference_logits(model, idx, weights, k)[..., :65], **TOL)
+    # the reference's vectors read out of alpha (load's inverse), so that alpha's gradient flows through both
+    alpha = model.stream.alpha
+    own = {i: alpha[(i + 1) // p - 1, (i + 1) % k::k][:len(w)] for i, w in weights.items()}
+    assert_same_gradients(model, logits, reference_logits(model, idx, own, k)[..., :65])
 
 
 def test_dwa_init_is_the_published_init():

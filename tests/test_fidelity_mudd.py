@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fidelity import assert_same_gradients, perturb_backbone
 from model import GPT, GPTConfig
 from test_fidelity_value_residual import rope
 
@@ -77,8 +78,11 @@ def test_mudd_matches_the_published_code(ways, L):
     idx = torch.randint(0, 65, (2, 8), generator=g)
     if L == 16:
         assert {w.shape[0] for w in model.stream.w1} == {64, 128}
+    perturb_backbone(model, seed=2)  # blocks that move the stream, so a wrong mix shows
     logits = model(idx, idx)[0]
-    torch.testing.assert_close(logits, reference_logits(model, idx), rtol=1e-10, atol=1e-10)
+    reference = reference_logits(model, idx)
+    torch.testing.assert_close(logits, reference, rtol=1e-10, atol=1e-10)
+    assert_same_gradients(model, logits, reference)
 
 
 def test_mudd_init_and_shapes_are_the_published_ones():

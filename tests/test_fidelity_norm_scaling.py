@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from fidelity import assert_same_gradients, perturb_backbone
 from model import GPT, GPTConfig
 
 EPS = 1e-6
@@ -32,9 +33,12 @@ def test_norm_scaling_matches_the_published_code():
     with torch.no_grad():
         for norm in [*model.stream.norms, model.stream.norm_f]:
             norm.weight.add_(0.3 * torch.randn(norm.weight.shape, generator=g, dtype=torch.float64))
+    perturb_backbone(model, seed=2)
     idx = torch.randint(0, 65, (2, 8), generator=g)
     logits = model(idx, idx)[0]
-    torch.testing.assert_close(logits, reference_logits(model, idx), rtol=1e-10, atol=1e-10)
+    reference = reference_logits(model, idx)
+    torch.testing.assert_close(logits, reference, rtol=1e-10, atol=1e-10)
+    assert_same_gradients(model, logits, reference)
     model.stream.scales = None  # the same weights without the scaling: far off
     assert (model(idx, idx)[0] - logits).abs().max() > 1e-3
 

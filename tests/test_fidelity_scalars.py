@@ -9,6 +9,7 @@ head; its lambdas are random, written into model.py's by name."""
 import pytest
 import torch
 
+from fidelity import assert_same_gradients, perturb_backbone
 from model import GPT, GPTConfig
 
 EPS = 1e-6
@@ -44,9 +45,12 @@ def test_scalars_match_the_published_code():
     with torch.no_grad():
         model.stream.lam.copy_(resid)
         model.stream.beta.copy_(x0)
+    perturb_backbone(model, seed=2)
     idx = torch.randint(0, 65, (2, 8), generator=g)
     logits = model(idx, idx)[0]
     torch.testing.assert_close(logits, reference_logits(model, idx, resid, x0), rtol=1e-10, atol=1e-10)
+    # the same with the model's own lam and beta in the reference, so that their gradients flow through both
+    assert_same_gradients(model, logits, reference_logits(model, idx, model.stream.lam, model.stream.beta))
     assert (logits - reference_logits(model, idx, resid, torch.zeros(4, dtype=torch.float64))).abs().max() > 1e-4
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fidelity import assert_same_gradients, perturb_backbone
 from model import GPT, GPTConfig
 
 EPS = 1e-6
@@ -73,10 +74,13 @@ def test_value_residual_matches_the_published_code(value_residual):
         for name, p in model.named_parameters():
             if name.endswith("value_lambda"):
                 p.copy_(torch.rand((), generator=g, dtype=torch.float64))
+    perturb_backbone(model, seed=2)  # blocks that move the stream, so a wrong mix shows
     idx = torch.randint(0, 65, (2, 8), generator=g)
     logits = model(idx, idx)[0]
-    torch.testing.assert_close(logits, reference_logits(model, idx, value_residual), **TOL)
+    reference = reference_logits(model, idx, value_residual)
+    torch.testing.assert_close(logits, reference, **TOL)
     assert (logits - reference_logits(model, idx, "none")).abs().max() > 1e-3  # the values' mix shows
+    assert_same_gradients(model, logits, reference)  # a v_1 under a stop-gradient would pass the logits
 
 def test_value_residual_parameters():
     """half adds no parameter; learned one scalar per attention sublayer after the first, 1/2 at init and
