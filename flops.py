@@ -247,7 +247,7 @@ SWEEP_DEFAULTS = dict(
 )
 FIELDS = ["run", "cell", "seed", "residual", "n_layer", "mod", "mod_rate", "args", "status", "iters", "tokens",
           "flops", "params", "train_flops_per_token", "exec_train", "exec_eval", "eval_flops_per_token", "val_loss",
-          "best_val_loss", "seconds", "s_per_iter", "budget", "device"]
+          "best_val_loss", "seconds", "s_per_iter", "budget", "device", "optimizer"]
 GRID_KEYS = ("residual", "n_layer", "mod", "mod_rate", "seed")  # own columns; a cell's other keys go in `args`
 HERE = os.path.dirname(os.path.abspath(__file__))  # train.py runs here
 TRAIN_SCRIPT = "train.py"  # what each run launches, from HERE (tests swap in a fake)
@@ -308,13 +308,22 @@ def run_result(out_dir):
     return row
 
 
+def optimizer_label(cfg):
+    """The results column: "adamw", or "muon" with the muon_* keys the run set away from their defaults,
+    from the run's whole configuration (a train_args --optimizer=muon shows too, not only a cell's)."""
+    if cfg.get("optimizer", "adamw") != "muon":
+        return "adamw"
+    changed = [f"--{k}={cfg[k]!r}" for k in run_config.MUON_KEYS if cfg[k] != run_config.DEFAULTS[k]]
+    return " ".join(["muon", *changed])
+
+
 def run_row(run, cfg, out_dir, status):
     """A run's row: what its log says when it finished, else `status`; plus the counts from its config."""
     name, cell, overrides = run
     row = {"run": name, "cell": cell, "seed": cfg["seed"], "residual": cfg["residual"], "n_layer": cfg["n_layer"],
            "mod": "" if cfg["mod"] == "none" else cfg["mod"], "mod_rate": cfg["mod_rate"] if cfg["mod"] != "none" else 0.0,
            "args": " ".join(override_args({k: v for k, v in overrides.items() if k not in GRID_KEYS})),
-           "device": cfg.get("device"),
+           "device": cfg.get("device"), "optimizer": optimizer_label(cfg),
            **(run_result(out_dir) or {"status": status})}
     try:  # train.py prepares the data (and so the vocab) the first time
         config = model_config(cfg)
@@ -628,7 +637,7 @@ def read_results(path):
     if not os.path.isfile(path):
         raise ConfigError(f"no results file {path}: pass a sweep's results.csv (e.g. docs/sweep_mod_cpu.csv)")
     ints = {"seed", "n_layer", "iters", "tokens", "params"}
-    text = {"run", "cell", "residual", "mod", "args", "status", "device"}
+    text = {"run", "cell", "residual", "mod", "args", "status", "device", "optimizer"}
     not_results = (f"{path} is not a sweep's results.csv (its header has no run, cell, seed and val_loss columns, "
                    f"or a row does not parse): pass out/<sweep>/results.csv or a copy in docs/")
     try:
@@ -1020,13 +1029,18 @@ OPTIMIZER_ARGS = ("--optimizer=", "--muon_")  # the keys that say how a run was 
 
 
 def optimizer_key(row):
-    """(optimizer, design, depth, budget) of a results row. The optimizer is "adamw", or "muon" with the
-    muon_* keys the run set; the design is what the run trains besides: residual, MoD and every other key
-    of its args; the budget is the sweep's (its budget column to 3 significant digits, or, in a CSV from
-    before that column, the FLOPs the run spent to 2: a budget's last iteration is never over it)."""
+    """(optimizer, design, depth, budget) of a results row. The optimizer is its optimizer column (see
+    optimizer_label; a CSV from before that column: "muon" with the muon_* keys of its args when they set
+    optimizer=muon, else "adamw", the only optimizer there was); the design is what the run trains besides:
+    residual, MoD and every other key of its args; the budget is the sweep's (its budget column to 3
+    significant digits, or, in a CSV from before that column, the FLOPs the run spent to 2: a budget's last
+    iteration is never over it)."""
     args = (row.get("args") or "").split()
-    muon = [a for a in args if a.startswith("--muon_")]
-    optimizer = " ".join(["muon", *muon]) if "--optimizer='muon'" in args else "adamw"
+    optimizer = row.get("optimizer")
+    if not optimizer:
+        defaults = {f"--{k}={run_config.DEFAULTS[k]!r}" for k in run_config.MUON_KEYS}
+        muon = [a for a in args if a.startswith("--muon_") and a not in defaults]
+        optimizer = " ".join(["muon", *muon]) if "--optimizer='muon'" in args else "adamw"
     rest = " ".join(a for a in args if not a.startswith(OPTIMIZER_ARGS))
     design = row["residual"] + (f" {rest}" if rest else "") + (f" mod={row['mod']}@{row['mod_rate']:g}" if row.get("mod") else "")
     budget = float(f"{row['budget']:.3g}") if row.get("budget") else float(f"{row['flops']:.2g}")

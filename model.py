@@ -501,7 +501,8 @@ class GPT(nn.Module):
         decay = [p for p in params if p.dim() >= 2 and id(p) not in exempt]
         no_decay = [p for p in params if p.dim() < 2 or id(p) in exempt]
         matrices = self.hidden_matrices(decay) if muon is not None else []
-        decay = [p for p in decay if id(p) not in {id(q) for q in matrices}]
+        to_muon = {id(p) for p in matrices}
+        decay = [p for p in decay if id(p) not in to_muon]
         groups = [{"params": decay, "weight_decay": weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
         for params, scale in own:
@@ -512,8 +513,8 @@ class GPT(nn.Module):
             # device when handed found_inf (train.py's non-finite-step skip)
             return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
         muon = dict(muon)
-        scale = muon.pop("lr") / learning_rate  # the schedule scales Muon's LR as AdamW's
-        matrix_group = {"params": matrices, "lr": learning_rate * scale, "lr_scale": scale}
+        lr = muon.pop("lr")  # the schedule scales it as AdamW's: lr_scale is its ratio to learning_rate
+        matrix_group = {"params": matrices, "lr": lr, "lr_scale": lr / learning_rate}
         return MuonAdamW([matrix_group], groups, muon, dict(lr=learning_rate, betas=betas))
 
     def hidden_matrices(self, decayed):

@@ -346,3 +346,19 @@ def test_the_compiled_step_check_sees_every_parameter_under_muon():
     opt.step()
     assert len(check.params) == sum(1 for p in model.parameters() if p.requires_grad)
     assert "sublayers.1.c_fc.weight" in check.read(GRAD_CHECK_STEPS)
+
+
+def test_the_results_row_records_the_optimizer_however_it_was_set():
+    """A sweep that sets --optimizer=muon in train_args (not per cell) leaves the cells' args empty: the row's
+    optimizer column, from the run's whole configuration, still says muon (and its non-default keys), and
+    flops.py optimizers reads it from there; a CSV from before the column falls back to the args."""
+    import flops
+    import run_config
+    cfg = dict(run_config.DEFAULTS, optimizer="muon", muon_momentum=0.9)
+    assert flops.optimizer_label(cfg) == "muon --muon_momentum=0.9"
+    assert flops.optimizer_label(dict(run_config.DEFAULTS)) == "adamw"
+    row = dict(residual="prenorm", args="", n_layer=4, budget=5e12, flops=5e12)
+    assert flops.optimizer_key({**row, "optimizer": "muon"})[0] == "muon"
+    assert flops.optimizer_key(row)[0] == "adamw"
+    legacy = {**row, "args": "--optimizer='muon' --muon_lr=0.02 --value_residual='half'"}
+    assert flops.optimizer_key(legacy)[:2] == ("muon", "prenorm --value_residual='half'")
