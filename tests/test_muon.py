@@ -362,3 +362,21 @@ def test_the_results_row_records_the_optimizer_however_it_was_set():
     assert flops.optimizer_key(row)[0] == "adamw"
     legacy = {**row, "args": "--optimizer='muon' --muon_lr=0.02 --value_residual='half'"}
     assert flops.optimizer_key(legacy)[:2] == ("muon", "prenorm --value_residual='half'")
+
+
+@pytest.mark.parametrize("residual, options, adamw, muon", [
+    ("dwa", {}, ["stream.alpha"], []),
+    ("dwa", dict(dwa_decay=True), ["stream.alpha"], []),  # decayed, and still a mixing weight
+    ("mhc", {}, ["stream.phi", "stream.head_phi"], []),  # the coefficient projections stay together
+    ("mudd", {}, ["stream.static.0"], ["stream.w1.0", "stream.w2.0"]),  # the weight MLP is a hidden layer
+    ("nag", {}, ["stream.modulators.0.proj.weight"], []),  # nag-nanochat's gates: AdamW
+])
+def test_each_modes_named_parameters_go_where_docs_training_md_says(residual, options, adamw, muon):
+    """The split of docs/training.md ("Muon"), parameter by parameter: the generic test reads the modes'
+    declarations, so a declaration dropped (dwa's or mhc's mixing_parameters) would pass it; this one names them."""
+    model = GPT(GPTConfig(**SHAPE, residual=residual, **options))
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), muon=MUON)
+    under_muon = {id(p) for p in opt.muon.param_groups[0]["params"]}
+    named = dict(model.named_parameters())
+    assert not [n for n in adamw if id(named[n]) in under_muon], "under Muon, should be AdamW's"
+    assert all(id(named[n]) in under_muon for n in muon), "under AdamW, should be Muon's"
