@@ -8,6 +8,7 @@ Benchmarks that print figures (speed targets are checked here, not in timed test
     python bench.py --section=compile    # eager vs compiled reference vs compiled custom ops, per mode
     python bench.py --section=quickstart # the quickstart command against a nanoGPT-like baseline run
     python bench.py --section=sample     # sampling with a KV cache: one mod=nag model, dense vs routed
+    python bench.py --section=steps --sweep=config/<sweep>.py  # each cell's step time vs its baseline's
     python bench.py --section=gpu        # every GPU figure in one command (8 minutes): docs/results.md
 
 kernels: forward and forward+backward time of each of the six kernels (rms_norm, nag_update,
@@ -39,6 +40,11 @@ interleaved pairs; the model of --out_dir's checkpoint, or (no --out_dir) a rand
 tokens set. Prints the time saved against the skipped fraction (target: saved >= 0.8 x skipped) and
 the most any routing of that skipped fraction could save, skipped x (1 - skip-all / dense).
 model and compile also print the saved-activation bytes (each storage once) relative to prenorm.
+steps (not part of "all"): a training step of every cell of a sweep config (--sweep), built as its runs are,
+against its baseline cell, in --rounds interleaved rounds on this device: each cell's median time ratio
+with a 95% bootstrap interval, and every round's times in a CSV (--steps_out) that flops.py multiplier
+--step_times turns into the throughput-adjusted multiplier. For a CPU sweep run with OMP_NUM_THREADS=1,
+time it so too, on idle cores.
 gpu (not part of "all"; one CUDA GPU, or --dry_run=True anywhere): every GPU figure from one command,
 within --max_minutes (8), in four parts: correctness (each kernel forward and backward against its
 reference in fp64, fp32 and bf16, at the model's width, an odd width and 4096, no row count a multiple of
@@ -101,6 +107,9 @@ DEFAULTS = dict(
     parts="all",  # gpu: all (correctness, bandwidth, modes, mod) or a comma list of them
     compiled="all",  # gpu: modes also timed compiled, while time is left (all: COMPILE_FIRST, then the rest)
     optimizer="adamw",  # model, gpu's modes: the step's optimizer, adamw or muon (train.py's muon_* defaults)
+    sweep="",  # steps: the sweep config whose cells are timed, each against its baseline cell
+    rounds=20,  # steps: interleaved rounds (each times every cell once, 3 steps, the median)
+    steps_out="",  # steps: the CSV of every round's times ("": out/step_times.csv); flops.py multiplier --step_times
 )
 
 
@@ -524,7 +533,7 @@ def bench_quickstart(pairs, max_iters, config=QUICKSTART):
             for name, script in (list(runs.items()) if i % 2 == 0 else list(runs.items())[::-1]):
                 out_dir = os.path.join(tmp, f"{len(walls[name])}-{script[0]}")
                 cmd = [sys.executable, *script, config, f"--max_iters={max_iters}", f"--lr_decay_iters={max_iters}",
-                       f"--out_dir={out_dir}"]
+                       f"--out_dir={out_dir}", *(["--final_eval_tokens=0"] if script == ["train.py"] else [])]
                 t = time.perf_counter()
                 done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
                 walls[name].append(time.perf_counter() - t)
@@ -541,7 +550,68 @@ def bench_quickstart(pairs, max_iters, config=QUICKSTART):
     return {name: (median[name], losses[name]) for name in runs}
 
 
-SECTIONS = ("all", "kernels", "model", "mod", "compile", "quickstart", "sample", "gpu")
+def bench_steps(sweep, rounds, out_path, device, dtype):
+    """A training step (forward, backward, AdamW; the run's batch; compiled on a GPU when the runs are) of
+    every cell of a sweep config, built as its runs are (the train config, the sweep's train_args, the cell's
+    keys), in `rounds` interleaved
+    rounds (the order reversed every other round), each cell timed as the median of 3 steps. Every
+    round's time of a cell and of its baseline cell (flops.baselines: its depth's prenorm) goes to a CSV,
+    out_path, which flops.py multiplier --step_times reads; printed: each cell's median ratio with a 95%
+    bootstrap interval of that median. Returns {cell: [its time / its baseline's, per round]}."""
+    import numpy as np
+    if not sweep:
+        raise ConfigError("--section=steps times a sweep config's cells: add --sweep=config/<sweep>.py")
+    sw = configure([sweep], flops.SWEEP_DEFAULTS)
+    cells = flops.sweep_cells(sw)
+    base_argv = [os.path.abspath(sw["train_config"]), *sw["train_args"]]
+    cfgs = {name: flops.train_config([*base_argv, *flops.override_args(ov)]) for name, ov in cells}
+    keys = [{"cell": name, "n_layer": cfgs[name]["n_layer"], "residual": cfgs[name]["residual"],
+             "mod": "" if cfgs[name]["mod"] == "none" else cfgs[name]["mod"],
+             "args": " ".join(flops.override_args({k: v for k, v in ov.items() if k not in flops.GRID_KEYS}))}
+            for name, ov in cells]
+    base_of = flops.baselines(keys, sw["baseline"])
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    label = (torch.cuda.get_device_name(device) if device.type == "cuda" else
+             f"CPU ({torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''})")
+    print(f"\n## training steps of {sweep}'s {len(cells)} cells, {rounds} interleaved rounds, on {label}")
+    steps = {}
+    torch._dynamo.reset()  # compiled (on a GPU, as the runs are): room in dynamo's cache for every cell's model
+    with torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit + len(cells)):
+        for name, _ in cells:
+            compiled = cfgs[name]["compile"] and device.type == "cuda"
+            steps[name] = train_step(flops.model_config(cfgs[name]), compiled, device, autocast,
+                                     cfgs[name]["batch_size"], "inductor")
+            timeit(steps[name], device, 2)  # warm-up: compilation, optimizer state
+        times = {name: [] for name in steps}
+        for i in range(rounds):
+            for name in (list(steps) if i % 2 == 0 else list(steps)[::-1]):
+                times[name].append(timeit(steps[name], device, 3, warmup=0, what=f"step of {name}"))
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    ratios = {}
+    with open(out_path + ".tmp", "w") as f:
+        f.write("cell,baseline,n_layer,device,round,ms,baseline_ms\n")
+        for name in steps:
+            base = base_of[name]
+            if base == name:
+                continue
+            for i, (t, tb) in enumerate(zip(times[name], times[base])):
+                f.write(f"{name},{base},{cfgs[name]['n_layer']},{label},{i},{t * 1e3:.4f},{tb * 1e3:.4f}\n")
+            ratios[name] = [t / tb for t, tb in zip(times[name], times[base])]
+    os.replace(out_path + ".tmp", out_path)
+    rng = np.random.default_rng(0)
+    print("| cell | baseline | layers | ms/step | its step time / the baseline's (median) | 95% interval |")
+    print("|---|---|---|---|---|---|")
+    for name, r in ratios.items():
+        r = np.asarray(r)
+        meds = [np.median(r[rng.integers(len(r), size=len(r))]) for _ in range(1000)]
+        lo, hi = np.percentile(meds, [2.5, 97.5])
+        print(f"| {name} | {base_of[name]} | {cfgs[name]['n_layer']} | {statistics.median(times[name]) * 1e3:.1f} "
+              f"| {np.median(r):.3f} | {lo:.3f} - {hi:.3f} |")
+    print(f"every round's times: {out_path} (python flops.py multiplier <results.csv> --step_times={out_path})")
+    return ratios
+
+
+SECTIONS = ("all", "kernels", "model", "mod", "compile", "quickstart", "sample", "gpu", "steps")
 COMPILE_VARIANTS = {  # name: (compiled?, kernels)
     "eager": (False, "auto"),
     "compiled reference": (True, "torch"),  # inductor fuses the plain-PyTorch references
@@ -1095,7 +1165,7 @@ def main(argv=None):
         raise ConfigError(f"unknown section '{cfg['section']}'; valid: {', '.join(SECTIONS)}")
     if cfg["dry_run"] and cfg["section"] != "gpu":
         raise ConfigError("--dry_run=True is the gpu section's: add --section=gpu")
-    for key in ("pairs", "max_iters", "tokens"):  # quickstart's and sample's counts
+    for key in ("pairs", "max_iters", "tokens", "rounds"):  # quickstart's, sample's and steps' counts
         if isinstance(cfg[key], bool) or not isinstance(cfg[key], int) or cfg[key] < 1:
             raise ConfigError(f"--{key}={cfg[key]}: give a whole number >= 1 (default {DEFAULTS[key]})")
     if cfg["optimizer"] not in ("adamw", "muon"):
@@ -1124,6 +1194,9 @@ def main(argv=None):
         times.update(bench_compile(device, dtype, reps, cfg["batch_size"], cfg["backend"])[0])
     if cfg["section"] == "quickstart":  # not in "all": whole training runs
         times.update(bench_quickstart(cfg["pairs"], cfg["max_iters"]))
+    if cfg["section"] == "steps":  # not in "all": a sweep config's cells
+        times.update(bench_steps(cfg["sweep"], cfg["rounds"], cfg["steps_out"] or os.path.join(REPO, "out", "step_times.csv"),
+                                 device, dtype))
     if cfg["section"] == "sample":  # not in "all"
         times.update(bench_sample(device, dtype, cfg["out_dir"], cfg["tokens"], cfg["pairs"], cfg["layers"],
                                    cfg["width"]))

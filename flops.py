@@ -37,6 +37,7 @@ Training = 3 x forward (backward = 2 x forward).
 
 import csv
 import glob
+import json
 import math
 import os
 import re
@@ -185,11 +186,15 @@ def train_config(argv, extra=None):
                      [*run_config.HELP_FROM, (__file__, "BREAKDOWN_DEFAULTS")])
 
 
+NOTED = set()  # the data folders model_config has said it counts gpt2's vocab for (once each)
+
+
 def model_config(cfg):
     """The GPTConfig train.py would build, with the vocab from the dataset's meta.pkl when it is there."""
     ddir = os.path.join(cfg["data_dir"], cfg["dataset"])
     vocab_size = run_config.dataset_vocab_size(ddir)
-    if not os.path.exists(os.path.join(ddir, "meta.pkl")):
+    if not os.path.exists(os.path.join(ddir, "meta.pkl")) and ddir not in NOTED:
+        NOTED.add(ddir)
         print(f"note: no meta.pkl in {ddir} (prepare the data first): counting gpt2's vocab of {vocab_size}")
     return run_config.model_config(cfg, vocab_size)
 
@@ -242,12 +247,15 @@ SWEEP_DEFAULTS = dict(
     runs=[],  # extra cells (name, {train.py key: value}): ablations and shapes the grid above does not make,
     #           e.g. ("nag_L16_sqrt_d", {"residual": "nag", "n_layer": 16, "nag_head": "sqrt_d"})
     seeds=[],  # [] one run per cell with the train config's seed; [1, 2, 3] one run per seed, <cell>_s<seed>
+    cells=None,  # None: every cell; a list of cell names: only these run (the sweep's other cells are left out)
+    cell_budgets={},  # {cell: [FLOPs, ...]}: a cell's own budgets instead of budgets (the baseline's, wider than
+    #                 the designs', so that every design's loss is read inside the baseline's measured range)
     jobs=1,  # train.py processes at a time (on CPU with OMP_NUM_THREADS=1: one per core)
     baseline=None,  # results.md tests every cell against this cell (Welch); None: its depth's prenorm cell, else first
 )
 FIELDS = ["run", "cell", "seed", "residual", "n_layer", "mod", "mod_rate", "args", "status", "iters", "tokens",
           "flops", "params", "train_flops_per_token", "exec_train", "exec_eval", "eval_flops_per_token", "val_loss",
-          "best_val_loss", "seconds", "s_per_iter", "budget", "device", "optimizer"]
+          "val_se", "eval_tokens", "best_val_loss", "seconds", "s_per_iter", "budget", "device", "optimizer"]
 GRID_KEYS = ("residual", "n_layer", "mod", "mod_rate", "seed")  # own columns; a cell's other keys go in `args`
 HERE = os.path.dirname(os.path.abspath(__file__))  # train.py runs here
 TRAIN_SCRIPT = "train.py"  # what each run launches, from HERE (tests swap in a fake)
@@ -271,7 +279,14 @@ def sweep_cells(sw):
     names = [name for name, _ in cells]
     if len(set(names)) != len(names):
         raise ConfigError(f"two cells share a name in {names}: give each run in `runs` its own name")
-    return cells
+    if sw["cells"] is not None and not sw["cells"]:
+        raise ConfigError(f"cells=[] names no cell to run: name some of {', '.join(names)} (or leave cells out: all)")
+    for key, named in (("cells", sw["cells"] or []), ("cell_budgets", sw["cell_budgets"])):
+        unknown = [c for c in named if c not in names]
+        if unknown:
+            raise ConfigError(f"{key} names {', '.join(map(repr, unknown))}, not a cell of this sweep: its cells are "
+                              f"{', '.join(names)}")
+    return cells if sw["cells"] is None else [c for c in cells if c[0] in sw["cells"]]
 
 
 def sweep_runs(sw):
@@ -303,6 +318,13 @@ def run_result(out_dir):
            "exec_train": last.get("exec_train"), "exec_eval": last.get("exec_eval")}
     paces = [r["ms_per_iter"] / 1000 for r in recs if r.get("ms_per_iter")]  # each log interval's training pace
     row["s_per_iter"] = statistics.median(paces) if paces else None
+    try:  # the final eval on the val split's fixed tokens (train.py's final_eval): the val loss to compare
+        with open(os.path.join(out_dir, "final_eval.json")) as f:
+            final = json.load(f)
+    except (OSError, ValueError):
+        final = None
+    if final and final.get("iter") == last["iter"]:
+        row.update(val_loss=final["val_loss"], val_se=final["val_se"], eval_tokens=final["tokens"])
     if row["flops"] and row["tokens"]:  # realised: train.py counts MoD runs from their executed fractions
         row["train_flops_per_token"] = row["flops"] / row["tokens"]
     return row
@@ -338,7 +360,9 @@ def run_row(run, cfg, out_dir, status):
     return row
 
 
-def run_sweep(argv):
+def run_sweep(argv, top_argv=None):
+    """A sweep (flops.py sweep's argv); top_argv: a budget sweep's own argv, which a stopped budget's resume
+    line gives (the budget's argv would resume that budget alone)."""
     sw = configure(argv, SWEEP_DEFAULTS, [(__file__, "SWEEP_DEFAULTS")],
                    "flops.py sweep: train.py runs of a sweep config's cells at one budget each, then results.csv, "
                    ".md and .png; it needs a sweep config, e.g. python flops.py sweep config/sweep_shakespeare_cpu.py")
@@ -355,7 +379,9 @@ def run_sweep(argv):
         iterations_for_budget(sw["budget"], 1.0, 1)  # a bad budget fails here, not in every run
     if isinstance(sw["jobs"], bool) or not isinstance(sw["jobs"], int) or sw["jobs"] < 1:
         raise ConfigError(f"jobs must be a positive integer (train.py processes at a time), got {sw['jobs']!r}")
-    check_baseline(sw["baseline"], [name for name, _ in sweep_cells(sw)])
+    check_baseline(sw["baseline"], [name for name, _ in sweep_cells({**sw, "cells": None})])
+    if sw["cell_budgets"]:
+        raise ConfigError("cell_budgets gives cells their own budgets in a sweep over budgets: set budgets = [...] too")
     root = os.path.abspath(os.path.join(sw["out_root"], sw["sweep_name"]))
     runs = sweep_runs(sw)
     base_argv = [os.path.abspath(sw["train_config"]), *sw["train_args"]]
@@ -364,7 +390,7 @@ def run_sweep(argv):
     try:
         cfgs = {name: train_config([*base_argv, *override_args(ov)]) for name, _, ov in runs}  # bad keys fail now
         run_config.find_data(next(iter(cfgs.values())))  # prepared once, before jobs could race to do it
-        return _sweep(sw, root, runs, base_argv, cfgs, argv)
+        return _sweep(sw, root, runs, base_argv, cfgs, top_argv or argv)
     finally:
         os.chdir(cwd)
 
@@ -382,19 +408,26 @@ def run_budget_sweep(argv, sw):
     given = dict.fromkeys(SWEEP_DEFAULTS) | configure(argv, dict.fromkeys(SWEEP_DEFAULTS))
     if sum(given[k] is not None for k in ("budget", "budgets", "budget_seconds")) != 1:
         raise ConfigError("budget, budgets (FLOPs) and budget_seconds (time) are kinds of sweep: set one of them")
-    values = list(sw["budget_seconds"] if timed else sw["budgets"])
-    if not isinstance(sw["budget_seconds" if timed else "budgets"], (list, tuple)) or not values \
-            or any(isinstance(b, bool) or not isinstance(b, (int, float)) or not b > 0 for b in values) \
-            or len(set(values)) < len(values):
-        raise ConfigError(f"{'budget_seconds' if timed else 'budgets'} must be a list of distinct numbers > 0, "
-                          f"e.g. [1e13, 3e13, 1e14], got {values!r}")
+    key = "budget_seconds" if timed else "budgets"
+    lists = {key: sw[key], **{f"cell_budgets[{c!r}]": v for c, v in sw["cell_budgets"].items()}}
+    if not isinstance(sw["cell_budgets"], dict) or timed and sw["cell_budgets"]:
+        raise ConfigError("cell_budgets must be a dict {cell: [FLOPs, ...]} of a FLOP budget sweep (budgets = [...])")
+    for name, values in lists.items():
+        if not isinstance(values, (list, tuple)) or not values or len(set(values)) < len(values) \
+                or any(isinstance(b, bool) or not isinstance(b, (int, float)) or not b > 0 for b in values):
+            raise ConfigError(f"{name} must be a list of distinct numbers > 0, e.g. [1e13, 3e13, 1e14], got {values!r}")
+    names = [c for c, _ in sweep_cells(sw)]  # unknown names in cell_budgets fail here
+    budgets_of = {c: sw["cell_budgets"].get(c, sw[key]) for c in names}
     rows, path = [], os.path.join(os.path.abspath(os.path.join(sw["out_root"], sw["sweep_name"])), "results.csv")
-    for b in sorted(values):
-        one = [a for a in argv if not a.startswith(("--budgets=", "--budget_seconds=", "--budget=", "--sweep_name="))]
+    for b in sorted({b for values in budgets_of.values() for b in values}):
+        one = [a for a in argv if not a.startswith(("--budgets=", "--budget_seconds=", "--budget=", "--sweep_name=",
+                                                    "--cells=", "--cell_budgets="))] + ["--cell_budgets={}"]
+        here = [c for c in names if b in budgets_of[c]]
         one += [f"--sweep_name={os.path.join(sw['sweep_name'], budget_tag(b, timed))}", "--budgets=None",
                 f"--budget_seconds={b!r}" if timed else "--budget_seconds=None",
-                *([] if timed else [f"--budget={b!r}"])]
-        rows += [{**r, "budget": b} for r in run_sweep(one)]
+                *([] if timed else [f"--budget={b!r}"]),
+                *([f"--cells={here!r}"] if sw["cells"] is not None or len(here) < len(names) else [])]
+        rows += [{**r, "budget": b} for r in run_sweep(one, argv)]
         with open(path + ".tmp", "w", newline="") as f:  # after each budget: a sweep cut short keeps what it ran
             w = csv.DictWriter(f, FIELDS)
             w.writeheader()
@@ -441,6 +474,11 @@ def _sweep(sw, root, runs, base_argv, cfgs, argv):
         row = run_result(os.path.join(root, run[0]))
         if row is None:
             todo.append(run)
+        elif row.get("eval_tokens") is None and cfgs[run[0]]["final_eval_tokens"] \
+                and os.path.exists(os.path.join(root, run[0], "ckpt.pt")):
+            todo.append(run)  # finished before the final eval existed: its resume runs that eval alone
+            print(f"[{i}/{len(runs)}] {run[0]}: finished without a final eval: re-evaluated from its checkpoint",
+                  flush=True)
         else:
             status[run[0]] = "done"
             seconds += [row["seconds"]] if math.isfinite(row["seconds"]) else []
@@ -456,8 +494,9 @@ def _sweep(sw, root, runs, base_argv, cfgs, argv):
         proc, log, t = running.pop(name)
         log.close()
         dt = time.time() - t
-        if proc.returncode == 0:
-            with open(os.path.join(root, name, "done"), "w") as f:
+        done = os.path.join(root, name, "done")
+        if proc.returncode == 0 and not os.path.exists(done):  # a re-evaluated run keeps its training's seconds
+            with open(done, "w") as f:
                 f.write(f"{dt:.1f}\n")
             seconds.append(dt)
         status[name] = "done" if proc.returncode == 0 else "interrupted" if signals else "failed"
@@ -733,291 +772,99 @@ def plot_results(cells, budget, path):
 
 
 # -----------------------------------------------------------------------------
-# compute multipliers: how much more compute the baseline needs to reach a cell's loss, from a budget sweep
+# what a sweep costs, before it runs
+
+PLAN_DEFAULTS = dict(
+    gpu="H100",  # the GPU whose peak (PEAK_FLOPS) sets the time; "" : FLOPs only
+    mfu=0.35,  # the model FLOPs utilisation assumed on it
+)
+
+
+def plan(argv):
+    """python flops.py plan config/sweep_<name>.py [--gpu=H100] [--mfu=0.35] [sweep keys]: every run of the
+    sweep (its cells at their budgets, its seeds), the FLOPs they train on and evaluate with (each eval's
+    batches and the final eval, forward only), and the time that is on one such GPU at that MFU."""
+    own = [a for a in argv if a.startswith(("--gpu=", "--mfu="))]
+    opts = configure(own, PLAN_DEFAULTS, [(__file__, "PLAN_DEFAULTS")],
+                     "flops.py plan: what a sweep config costs in FLOPs and GPU hours, e.g. python flops.py plan "
+                     "config/sweep_depth_multiplier_gpu.py --gpu=H100 --mfu=0.35")
+    sw = configure([a for a in argv if a not in own], SWEEP_DEFAULTS, [(__file__, "SWEEP_DEFAULTS")])
+    if isinstance(opts["mfu"], bool) or not isinstance(opts["mfu"], (int, float)) or not 0 < opts["mfu"] <= 1:
+        raise ConfigError(f"mfu must be a fraction in (0, 1], got {opts['mfu']!r}")
+    if sw["budget_seconds"] is not None:
+        raise ConfigError("a sweep on a time budget (budget_seconds): its FLOPs are known only once it has run")
+    peak = peak_flops(opts["gpu"]) if opts["gpu"] else None
+    if opts["gpu"] and peak is None:
+        raise ConfigError(f"gpu={opts['gpu']!r} is not in flops.py's PEAK_FLOPS; give one of H100, H200, B200, A100, "
+                          f"A10, L40S, L4, RTX 4090 (or --gpu='' for FLOPs only)")
+    seeds = max(len(sw["seeds"]), 1)
+    base_argv = [os.path.abspath(sw["train_config"]), *sw["train_args"]]
+    per_budget = {}
+    for name, overrides in sweep_cells(sw):
+        cfg = train_config([*base_argv, *override_args(overrides)])
+        config = model_config(cfg)
+        tokens = cfg["batch_size"] * cfg["block_size"] * cfg["gradient_accumulation_steps"]
+        train_pt, fwd_pt = train_flops_per_token(config), sum(forward_flops(config).values())
+        for b in (sw["cell_budgets"].get(name, sw["budgets"]) if sw["budgets"] else [sw["budget"]]):
+            iters = iterations_for_budget(b, train_pt, tokens) if b else cfg["max_iters"]
+            evals = iters // cfg["eval_interval"] + 1
+            eval_tokens = evals * 2 * cfg["eval_iters"] * cfg["batch_size"] * cfg["block_size"] + cfg["final_eval_tokens"]
+            runs, fl = per_budget.get(b, (0, 0.0))
+            per_budget[b] = (runs + seeds, fl + seeds * (iters * tokens * train_pt + eval_tokens * fwd_pt))
+    hours = (lambda f: f / (peak * opts["mfu"]) / 3600) if peak else None
+    lines = [f"sweep {sw['sweep_name']} ({len(sweep_cells(sw))} cells x {seeds} seed(s)): "
+             f"{sum(n for n, _ in per_budget.values())} runs", "",
+             "| budget | runs | FLOPs (training + evals) |" + (" hours |" if peak else ""),
+             "|---|---|---|" + ("---|" if peak else "")]
+    for b, (n, fl) in sorted(per_budget.items(), key=lambda t: (t[0] is None, t[0])):
+        lines.append(f"| {'max_iters' if b is None else format(b, '.3g')} | {n} | {fl:.3g} |"
+                     + (f" {hours(fl):.1f} |" if peak else ""))
+    total = sum(fl for _, fl in per_budget.values())
+    lines += ["", f"total: {total:.3g} FLOPs" + (f"; on one {opts['gpu']} ({peak / 1e12:.0f} TFLOP/s peak bf16) at "
+                                                 f"{opts['mfu']:.0%} MFU: {hours(total):.1f} hours" if peak else "")]
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    return text
+
+
+# -----------------------------------------------------------------------------
+# compute multipliers (multiplier.py): how much compute each design is worth, from a budget sweep
 
 MULTIPLIER_DEFAULTS = dict(
     baseline=None,  # the cell each cell is measured against; None: its depth's prenorm cell, else its first
-    boot=1000,  # bootstrap resamples (over seeds, at every budget) for the 95% intervals
-    boot_seed=0,  # the bootstrap's RNG seed: the same CSVs print the same intervals
+    boot=1000,  # bootstrap draws (the baseline's and the cell's runs at every budget) for the 95% intervals
+    boot_seed=0,  # the bootstrap's seed: the same CSVs print the same intervals
+    step_times="",  # bench.py --section=steps's CSV: adds the throughput-adjusted multiplier on its device
     out=None,  # the figure; None: <first csv without .csv>_multiplier.png beside it, or in out/ for a CSV in docs/
 )
 
 
-class Degenerate(ValueError):
-    """A multiplier that the data cannot give; its message is the one line printed instead of a number."""
-
-
-def power_law(c, e, a, alpha):
-    """L(C) = E + A * C^(-alpha), C in units of the sweep's geometric-mean compute (conditioning)."""
-    return e + a * c ** (-alpha)
-
-
-def fit_curve(groups, p0=None):
-    """The baseline's loss against compute, from its runs at each budget ({budget: [(compute, loss)]},
-    budget_groups): fitted to every run, read at each budget's mean compute and mean loss. Returns
-    (method, inverse, (lo, hi), params): inverse(loss) is the compute at which the curve reaches that loss
-    (None where it never does), lo..hi the range of the baseline's mean losses (outside: extrapolation).
-    method: "power-law fit" (scipy.optimize.curve_fit of E + A C^-alpha) when there are at least 3
-    budgets and the fit converges, else "log-log interpolation" of the budgets' mean losses, with the reason.
-    params: the fit's (E, A, alpha), else None; p0 starts the fit there (the bootstrap: the point fit's).
-    Raises Degenerate for one budget or a mean loss that does not fall with compute."""
-    import numpy as np
-    from scipy.optimize import curve_fit
-    pts = sorted((statistics.mean(x for x, _ in g), statistics.mean(y for _, y in g)) for g in groups.values() if g)
-    cs, means = [c for c, _ in pts], [m for _, m in pts]
-    xs, ys = [x for g in groups.values() for x, _ in g], [y for g in groups.values() for _, y in g]
-    if len(cs) < 2:
-        raise Degenerate("one budget: a multiplier needs the baseline at two budgets or more")
-    if len(set(cs)) < len(cs):
-        raise Degenerate("two budgets spent the same compute: no curve to read compute from")
-    if not all(b < a for a, b in zip(means, means[1:])):
-        raise Degenerate("the baseline's mean loss does not fall with every budget: no curve to read compute from")
-    lo, hi = means[-1], means[0]
-    scale = math.exp(statistics.mean(math.log(c) for c in cs))
-    reason = "fewer than 3 budgets" if len(cs) < 3 else None
-    if reason is None:
-        x = np.asarray(xs, float) / scale
-        y = np.asarray(ys, float)
-        try:
-            with np.errstate(all="ignore"):
-                start = (lo - 0.5 * (hi - lo), hi - lo, 0.3) if p0 is None else \
-                    (min(p0[0], lo - 1e-6 * (hi - lo)), max(p0[1], 1e-9), min(max(p0[2], 2e-3), 4.9))
-                p, cov = curve_fit(power_law, x, y, p0=start,
-                                   bounds=([-np.inf, 0, 1e-3], [lo, np.inf, 5.0]), maxfev=20000)
-            if not np.all(np.isfinite(cov)):
-                reason = "the fit is ill-conditioned (no finite covariance)"
-        except (RuntimeError, ValueError) as err:
-            reason = f"curve_fit failed ({str(err).splitlines()[0][:60]})"
-    if reason is None:
-        e, a, alpha = map(float, p)
-
-        def inverse(loss):
-            return scale * ((loss - e) / a) ** (-1 / alpha) if loss > e else None
-        return f"power-law fit, L = {e:.3f} + {a:.3g} (C/{scale:.3g})^-{alpha:.3f}", inverse, (lo, hi), (e, a, alpha)
-    lc, ll = [math.log(c) for c in cs], [math.log(m) for m in means]
-
-    def inverse(loss):  # log C linear in log L between neighbouring budgets; the end segments beyond
-        i = min(max(next((j for j in range(1, len(ll)) if math.log(loss) >= ll[j]), len(ll) - 1), 1), len(ll) - 1)
-        t = (math.log(loss) - ll[i - 1]) / (ll[i] - ll[i - 1])
-        return math.exp(lc[i - 1] + t * (lc[i] - lc[i - 1]))
-    return f"log-log interpolation ({reason})", inverse, (lo, hi), None
-
-
-def budget_groups(rows, key):
-    """{budget: [(compute, loss)]} of a cell's finished runs; compute is the run's `key` column (flops, or
-    seconds), else its budget."""
-    out = {}
-    for r in rows:
-        if r.get("status") == "done" and r.get("val_loss") is not None:
-            x = r.get(key) if r.get(key) else r.get("budget")
-            if x:
-                out.setdefault(r.get("budget"), []).append((float(x), float(r["val_loss"])))
-    return out
-
-
-def multipliers(base, cell, p0=None, fit=None):
-    """The multiplier at every budget both have, and overall, for budget groups base and cell ({budget:
-    [(compute, loss)]}, budget_groups). At a budget: the compute C_base where the baseline's curve
-    reaches the cell's mean loss, over the cell's mean compute C. Overall: the geometric mean over the
-    budgets. fit: the baseline's fit_curve(), when it is already made. Returns (method, {budget:
-    (multiplier or None, note)}, overall, the fit's params or None)."""
-    method, inverse, (lo, hi), params = fit or fit_curve(base, p0)
-    at = {}
-    for b in sorted(set(base) & set(cell), key=lambda v: (v is None, v)):
-        c = statistics.mean(x for x, _ in cell[b])
-        loss = statistics.mean(y for _, y in cell[b])
-        cb = inverse(loss)
-        note = "" if lo <= loss <= hi else "extrapolated" if cb is not None else "below the baseline's asymptote"
-        at[b] = (None if cb is None or "interpolation" in method and note else cb / c, note)
-    got = [m for m, _ in at.values() if m is not None]
-    overall = math.exp(statistics.mean(math.log(m) for m in got)) if got else None
-    return method, at, overall, params
-
-
-def trend(at):
-    """How the multiplier changes per doubling of compute: 2^s, s the least-squares slope of log multiplier
-    on log budget over the budgets with a number (at, multipliers()); None with fewer than two."""
-    pts = [(math.log(b), math.log(m)) for b, (m, _) in at.items() if m is not None and b]
-    if len(pts) < 2:
-        return None
-    mx, my = statistics.mean(x for x, _ in pts), statistics.mean(y for _, y in pts)
-    return 2 ** (sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts))
-
-
-def resample(rng, groups):
-    """Every budget's runs drawn again with replacement, as many as there are."""
-    return {b: [runs[i] for i in rng.integers(len(runs), size=len(runs))] for b, runs in groups.items()}
-
-
-def baseline_fits(base, n, seed, p0=None):
-    """n bootstrap refits of the baseline's curve (fit_curve), each on its runs resampled at every budget;
-    None for a resample with no curve. Made once per baseline and shared by every cell compared with it."""
-    import numpy as np
-    rng, fits = np.random.default_rng(seed), []
-    for _ in range(n):
-        try:
-            fits.append(fit_curve(resample(rng, base), p0))
-        except Degenerate:
-            fits.append(None)
-    return fits
-
-
-def bootstrap(base, cell, fits, seed):
-    """95% intervals of multipliers() and trend(): with each of the baseline's bootstrap fits
-    (baseline_fits, of base's runs), the cell's runs resampled at every budget (with replacement, the same count).
-    Returns ({budget: (lo, hi)}, (lo, hi) overall, (lo, hi) of the trend); None where under half the
-    resamples gave a number."""
-    import numpy as np
-    rng = np.random.default_rng([seed, 1])
-    per, overall, trends = {}, [], []
-    for fit in fits:
-        drawn = resample(rng, cell)
-        if fit is None:
-            continue
-        _, at, o, _ = multipliers(base, drawn, fit=fit)
-        for b, (m, _) in at.items():
-            per.setdefault(b, []).append(m if m is not None else float("nan"))
-        overall.append(o if o is not None else float("nan"))
-        trends.append(trend(at) or float("nan"))
-
-    def ci(v):
-        v = np.asarray(v, float)
-        v = v[np.isfinite(v)]
-        return tuple(float(q) for q in np.percentile(v, [2.5, 97.5])) if len(v) >= len(fits) / 2 else None
-    return {b: ci(v) for b, v in per.items()}, ci(overall), ci(trends)
-
-
-def device_label(rows):
-    """The device the seconds were measured on: the CSV's device column, else this CPU."""
-    devices = sorted({r["device"] for r in rows if r.get("device")})
-    if not devices:
-        return "this CPU"
-    return " + ".join("CPU" if d == "cpu" else d for d in devices)
-
-
-def multiplier_table(rows, key, baseline=None, boot=1000, boot_seed=0):
-    """Markdown: each cell's multiplier against its baseline at every budget and overall, with 95%
-    bootstrap intervals, compute = the runs' `key` column (flops: equal FLOPs; seconds: equal time).
-    Also returns {cell: (budgets, multipliers, lows, highs)} for the figure."""
-    cells = aggregate(rows)
-    pairs = {c: b for c, b in baselines(cells, baseline).items() if c != b}
-    by_cell = {}
-    for r in rows:
-        by_cell.setdefault(r["cell"], []).append(r)
-    what = "training FLOPs" if key == "flops" else f"training seconds, measured on {device_label(rows)}"
-    lines = [f"Compute multiplier at equal {'FLOPs' if key == 'flops' else 'time'} (compute = {what}): the "
-             "compute the baseline needs to reach the cell's mean final val loss, over the cell's compute "
-             "(> 1: the cell is worth more compute than it spent). Overall: the geometric mean over the budgets. "
-             "Per 2x compute: the factor by which the multiplier changes when the budget doubles (the slope of "
-             "log multiplier on log budget, over the budgets with a number). "
-             f"95% intervals: {boot} bootstrap resamples over seeds at every budget (seed {boot_seed}).", "",
-             "| cell | baseline | budget | multiplier | 95% interval | note | method |", "|" + "---|" * 7]
-    series, fits = {}, {}  # fits: each baseline's bootstrap refits, shared by its cells
-    if not pairs:
-        return "\n".join(lines[:1] + ["", "No cell to compare: every cell is its own depth's baseline "
-                                      "(--baseline=CELL names one)."]) + "\n", series
-    for cell, base in pairs.items():
-        g_base, g_cell = budget_groups(by_cell[base], key), budget_groups(by_cell[cell], key)
-        try:
-            method, at, overall, params = multipliers(g_base, g_cell)
-        except Degenerate as err:
-            lines.append(f"| {cell} | {base} | - | no multiplier: {err} | - | - | - |")
-            continue
-        if base not in fits:
-            fits[base] = baseline_fits(g_base, boot, boot_seed, params)
-        cis, ci_all, ci_trend = bootstrap(g_base, g_cell, fits[base], boot_seed)
-        fmt = lambda m: "-" if m is None else f"{m:.3g}x"  # noqa: E731
-        fci = lambda c: "-" if c is None else f"{c[0]:.3g}x - {c[1]:.3g}x"  # noqa: E731
-        for b, (m, note) in at.items():
-            shown = fmt(m) if m is not None else f"none: {note}"
-            lines.append(f"| {cell} | {base} | {'-' if b is None else format(b, '.3g')} | "
-                         f"{shown + (f' ({note})' if note and m is not None else '')} | {fci(cis.get(b))} | "
-                         f"{note or '-'} | {method} |")
-        notes = sorted({n for _, n in at.values() if n})
-        shown = (f"none: {', '.join(notes)} at every budget" if overall is None else
-                 fmt(overall) + (f" ({', '.join(notes)})" if notes else ""))
-        lines.append(f"| {cell} | {base} | overall | {shown} "
-                     f"| {fci(ci_all)} | {', '.join(notes) or '-'} | geometric mean over budgets |")
-        t = trend(at)
-        verdict = "-" if t is None or ci_trend is None else "grows with compute" if ci_trend[0] > 1 else \
-            "shrinks with compute" if ci_trend[1] < 1 else "no trend at 95%"
-        lines.append(f"| {cell} | {base} | per 2x compute | {fmt(t)} | {fci(ci_trend)} | {verdict} | "
-                     "least squares of log multiplier on log budget |")
-        bs = [b for b in at if at[b][0] is not None]
-        series[cell] = (bs, [at[b][0] for b in bs], [(cis.get(b) or (None, None))[0] for b in bs],
-                        [(cis.get(b) or (None, None))[1] for b in bs])
-    return "\n".join(lines) + "\n", series
-
-
-def plot_multiplier(rows, key, series, baseline, path):
-    """Loss against compute (log x): every run a point, each cell's fitted curve (or interpolation);
-    then the multiplier against budget with its 95% interval band."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8))
-    by_cell = {}
-    for r in rows:
-        by_cell.setdefault(r["cell"], []).append(r)
-    for i, (cell, rs) in enumerate(by_cell.items()):
-        g = budget_groups(rs, key)
-        pts = [p for runs in g.values() for p in runs]
-        if not pts:
-            continue
-        color = f"C{i % 10}"
-        ax.plot([x for x, _ in pts], [y for _, y in pts], ".", color=color, alpha=0.6)
-        try:
-            method, inverse, (lo, hi), _ = fit_curve(g)
-        except Degenerate:
-            ax.plot([], [], ".", color=color, label=f"{cell} (no curve)")
-            continue
-        ys = np.linspace(lo, hi, 50)  # the curve drawn through its inverse: compute at each loss in range
-        xs = [inverse(y) for y in ys]
-        ax.plot(xs, ys, "-", color=color, label=f"{cell}: {method.split(',')[0]}")
-        if cell in series:
-            bs, ms, los, his = series[cell]
-            bx.plot(bs, ms, "o-", color=color, label=cell)
-            band = [(b, lo_, hi_) for b, lo_, hi_ in zip(bs, los, his) if lo_ is not None]
-            if band:
-                bx.fill_between([b for b, _, _ in band], [v for _, v, _ in band], [v for _, _, v in band],
-                                color=color, alpha=0.2)
-    unit = "training FLOPs" if key == "flops" else f"training seconds ({device_label(rows)})"
-    ax.set_xscale("log")
-    ax.set_xlabel(unit)
-    ax.set_ylabel("final val loss")
-    ax.set_title("loss vs compute (dots: runs; lines: each cell's curve)", fontsize=10)
-    bx.set_xscale("log")
-    bx.axhline(1.0, color="gray", lw=0.8)
-    bx.set_xlabel("budget")
-    bx.set_ylabel("compute multiplier vs baseline")
-    bx.set_title(f"multiplier at equal {'FLOPs' if key == 'flops' else 'time'} (band: 95% bootstrap)", fontsize=10)
-    for a in (ax, bx):
-        a.grid(alpha=0.3)
-        a.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def multiplier(argv):
-    """python flops.py multiplier out/<sweep>/results.csv ... [--baseline=CELL]: each cell's compute
-    multiplier against its baseline at equal FLOPs and at equal time (training seconds), with 95%
-    bootstrap intervals, printed; the figure (FLOPs) beside the first CSV, or --out. A CSV in docs/ is a
-    committed result: its figure goes to out/ unless --out names where (docs/ keeps the one committed)."""
+    """python flops.py multiplier out/<sweep>/results.csv ... [--baseline=CELL] [--step_times=CSV]: each
+    cell's compute multiplier against its baseline at equal FLOPs (multiplier.py), by budget, overall and
+    by depth, the compute-optimal frontier, and with step times the throughput-adjusted figure; printed,
+    and the figure beside the first CSV, or --out. A CSV in docs/ is a committed result: its figure goes to
+    out/ unless --out names where (docs/ keeps the one committed)."""
+    import multiplier as mult
     files, cfg, rows = csv_verb(argv, "multiplier", MULTIPLIER_DEFAULTS, "MULTIPLIER_DEFAULTS",
                                 "compute multipliers from a budget sweep's results.csv (a sweep config with "
                                 "budgets = [...])", "results.csv of a budget sweep", "out/<sweep>/results.csv")
-    check_baseline(cfg["baseline"], [c["cell"] for c in aggregate(rows)])
-    text, series = multiplier_table(rows, "flops", cfg["baseline"], cfg["boot"], cfg["boot_seed"])
-    timed, _ = multiplier_table(rows, "seconds", cfg["baseline"], cfg["boot"], cfg["boot_seed"])
+    if isinstance(cfg["boot"], bool) or not isinstance(cfg["boot"], int) or cfg["boot"] < 10:
+        raise ConfigError(f"boot must be a whole number of bootstrap draws >= 10, got {cfg['boot']!r}")
+    cells = aggregate(rows)
+    check_baseline(cfg["baseline"], [c["cell"] for c in cells])
+    pairs = {c: b for c, b in baselines(cells, cfg["baseline"]).items() if c != b}
+    if not pairs:
+        text = "No cell to compare: every cell is its own depth's baseline (--baseline=CELL names one).\n"
+        print(text, end="")
+        return text
+    text, results = mult.report(rows, pairs, cfg["boot"], cfg["boot_seed"], cfg["step_times"])
     name = os.path.splitext(files[0])[0] + "_multiplier.png"
     in_docs = os.path.dirname(os.path.abspath(files[0])) == os.path.join(HERE, "docs")
     path = cfg["out"] or (os.path.join(HERE, "out", os.path.basename(name)) if in_docs else name)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    if series:
-        plot_multiplier(rows, "flops", series, cfg["baseline"], path)
-    text = text + "\n" + timed + (f"\nfigure: {path}\n" if series else "")
+    mult.plot(rows, results, path)
+    text += f"\nfigure: {path}\n"
     print(text, end="")
     return text
 
@@ -1144,20 +991,23 @@ def optimizers(argv):
     return text
 
 
-COMMANDS = """flops.py: FLOP counts and iso-FLOP sweeps, five commands:
+COMMANDS = """flops.py: FLOP counts and iso-FLOP sweeps, six commands:
     python flops.py [config/x.py ...] [--key=value ...]       FLOPs per token by component, params, what --budget buys (keys below)
     python flops.py sweep config/sweep_<name>.py [--key=value]  train.py runs at a FLOP budget (or budgets), results.csv/.md/.png (python flops.py sweep --help: its keys)
     python flops.py results out/<sweep>/results.csv ...        a sweep's tables again from its CSVs (python flops.py results --help: its keys)
-    python flops.py multiplier out/<sweep>/results.csv ...     compute multipliers (equal FLOPs, equal time) of a budgets sweep, and a figure
+    python flops.py plan config/sweep_<name>.py [--gpu=H100]  what a sweep costs: its runs, FLOPs and hours on one GPU
+    python flops.py multiplier out/<sweep>/results.csv ...     compute multipliers of a budgets sweep (by budget, depth, frontier), and a figure
     python flops.py optimizers a.csv b.csv ...                 AdamW against Muon: each design's gain over prenorm under both"""
 
 
 def main(argv):
-    if ("--help" in argv or "-h" in argv) and argv[:1] not in (["sweep"], ["results"], ["multiplier"], ["optimizers"]):
+    if ("--help" in argv or "-h" in argv) and argv[:1] not in (["sweep"], ["plan"], ["results"], ["multiplier"],
+                                                              ["optimizers"]):
         print(COMMANDS)  # the commands; configure then lists the breakdown's keys and exits
-    if argv and not argv[0].startswith("-") and argv[0] not in ("sweep", "results", "multiplier", "optimizers") and "=" not in argv[0] \
+    commands = ("sweep", "plan", "results", "multiplier", "optimizers")
+    if argv and not argv[0].startswith("-") and argv[0] not in commands and "=" not in argv[0] \
             and not os.path.exists(argv[0]):
-        raise ConfigError(f"'{argv[0]}' is neither a command (sweep, results, multiplier, optimizers) nor a config file; "
+        raise ConfigError(f"'{argv[0]}' is neither a command ({', '.join(commands)}) nor a config file; "
                           f"python flops.py --help lists the commands")
     if argv[:1] == ["results"]:
         return results(argv[1:])
@@ -1165,6 +1015,8 @@ def main(argv):
         return multiplier(argv[1:])
     if argv[:1] == ["optimizers"]:
         return optimizers(argv[1:])
+    if argv[:1] == ["plan"]:
+        return plan(argv[1:])
     if argv[:1] == ["sweep"]:
         if all(a.startswith("--") for a in argv[1:]) and "--help" not in argv:  # the defaults alone: hours of runs
             shipped = sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "config", "sweep_*.py")))

@@ -32,7 +32,7 @@ from configurator import ConfigError, configure
 from run_config import DEFAULTS, MODEL_KEYS, RUN_KEYS
 
 GRAD_CHECK_STEPS = 5  # compile=True: the first log iteration this many steps into a run checks for zero gradients
-RUN_FILES = ("ckpt.pt", "ckpt_best.pt", "log.jsonl", "log.jsonl.torn", "config.json")  # what a run writes in out_dir
+RUN_FILES = ("ckpt.pt", "ckpt_best.pt", "log.jsonl", "log.jsonl.torn", "config.json", "final_eval.json")  # what a run writes in out_dir
 # a resume: the keys each process sets for itself (never taken from the checkpoint), the budget (never
 # changed), and the plan: what the run trains, which only the command line may change
 OWN_KEYS = ("init_from", "eval_only", "out_dir", "device", "dtype", "compile", "kernels", "wandb_log",

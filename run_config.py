@@ -34,6 +34,8 @@ DEFAULTS = dict(
     log_interval=10,  # iterations between the printed step lines
     eval_iters=200,  # batches per split the eval losses average over
     eval_only=False,  # True: one eval, then exit (a checkpoint it read stays as it was)
+    final_eval_tokens=2 ** 18,  # the run's end: one eval on the val split's first this-many tokens (all of a shorter
+    # split), the same tokens for every run (final_eval.json; flops.py's val_loss); 0: none
     always_save_checkpoint=True,  # False: save only when the val loss improves
     init_from="scratch",  # 'scratch' or 'resume'
     diagnose=False,  # log model.diagnostics() of a fixed val batch with every eval (plot with plot.py)

@@ -28,8 +28,10 @@ import sys
 import time
 from dataclasses import asdict
 
+import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import ConfigError, configure
@@ -48,6 +50,7 @@ WANDB_NAMES = {"train_loss": "train/loss", "val_loss": "val/loss"}  # log.jsonl'
 EARLY_STEPS = 5  # a process's first timed progress line comes at most this many steps after its first step
 EVAL_PROGRESS_S = 10.0  # an eval running longer prints its progress this often (seconds)
 SLOW_EVAL_S, SLOW_RUN_S = 300.0, 3600.0  # on the CPU, an eval or a run estimated longer than this is warned about
+FINAL_EVAL = "final_eval.json"  # in out_dir: the run's final eval (final_eval), what flops.py reads as its val loss
 CPU_CONFIG = "config/shakespeare_char_cpu.py"  # the quickstart: what the slow-run hint suggests on a CPU
 SLOW_HINT = (f"a configuration sized for a GPU? On a CPU: {CPU_CONFIG}, or lower --eval_iters, "
              "--max_iters and the model (--n_layer, --n_embd). Ctrl-C stops the run with a checkpoint")
@@ -68,6 +71,10 @@ def check_run_config(cfg):
     for key in POSITIVE_KEYS:
         if not isinstance(cfg[key], int) or cfg[key] <= 0:
             raise ConfigError(f"{key} must be a whole number > 0, got {cfg[key]!r}")
+    if isinstance(cfg["final_eval_tokens"], bool) or not isinstance(cfg["final_eval_tokens"], int) \
+            or cfg["final_eval_tokens"] < 0:
+        raise ConfigError(f"final_eval_tokens must be a whole number >= 0 (0: no final eval), "
+                          f"got {cfg['final_eval_tokens']!r}")
     if not isinstance(cfg["max_iters"], int) or cfg["max_iters"] < 0:
         raise ConfigError(f"max_iters must be a whole number >= 0, got {cfg['max_iters']!r}")
     if cfg["max_seconds"] is not None:
@@ -568,6 +575,59 @@ class Trainer:
             self.eval_model.train()
         return out
 
+    def final_eval_due(self):
+        """On rank 0 at the run's end: whether out_dir has no final eval (FINAL_EVAL) of this iteration and
+        final_eval_tokens."""
+        try:
+            with open(os.path.join(self.cfg["out_dir"], FINAL_EVAL)) as f:
+                done = json.load(f)
+            return (done.get("iter"), done.get("final_eval_tokens")) != (self.iter_num, self.cfg["final_eval_tokens"])
+        except (OSError, ValueError, AttributeError):
+            return True
+
+    @torch.no_grad()
+    def final_eval(self):
+        """The run's last eval, on the val split's first final_eval_tokens tokens (all of a shorter split; at
+        least one window), in consecutive windows of block_size, batch_size at a time (whole batches: a
+        compiled model sees one shape): the same tokens for every run of a dataset and block_size, so that runs differ by their
+        models and not by the batches drawn. FINAL_EVAL gets the mean loss and its standard error over the
+        windows. A stop signal breaks it off (checked between batches): the resume runs it."""
+        cfg, T = self.cfg, self.cfg["block_size"]
+        data = np.memmap(self.paths["val"], dtype=np.uint16, mode="r")
+        windows = max(min(cfg["final_eval_tokens"], len(data) - 1) // T, 1)
+        B = min(cfg["batch_size"], windows)
+        n, losses, t_start, t_shown = windows // B, [], time.time(), time.time()
+        self.eval_model.eval()
+        try:
+            for k in range(n):
+                if self.stop.signum:
+                    print(f"final eval at iter {self.iter_num}: stopped by {signal.Signals(self.stop.signum).name}; "
+                          "a resume runs it", flush=True)
+                    return
+                rows = [data[i * T:(i + 1) * T + 1].astype(np.int64) for i in range(k * B, (k + 1) * B)]
+                xy = torch.from_numpy(np.stack(rows)).to(self.device)
+                with self.autocast:
+                    logits, _ = self.eval_model(xy[:, :-1], xy[:, 1:])
+                loss = F.cross_entropy(logits.float().flatten(0, 1), xy[:, 1:].flatten(), reduction="none")
+                losses.append(loss.view(B, T).mean(1).cpu())
+                if time.time() - t_shown >= EVAL_PROGRESS_S and k + 1 < n:
+                    t_shown = time.time()
+                    self.eval_progress(k + 1, n, t_shown - t_start)
+        finally:
+            self.eval_model.train()
+        per_window = torch.cat(losses).double()
+        mean, se = per_window.mean().item(), (per_window.std().item() / len(per_window) ** 0.5 if n * B > 1 else 0.0)
+        record = {"iter": self.iter_num, "val_loss": round(mean, 6), "val_se": round(se, 6),
+                  "tokens": n * B * T, "windows": n * B, "block_size": T, "dataset": cfg["dataset"],
+                  "final_eval_tokens": cfg["final_eval_tokens"]}
+        path = os.path.join(cfg["out_dir"], FINAL_EVAL)
+        with open(path + ".tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(path + ".tmp", path)
+        print(f"final eval at iter {self.iter_num}: loss {mean:.4f} (standard error {se:.4f}) on the val split's "
+              f"first {n * B * T:,} tokens ({n * B} windows of {T}) in {format_duration(time.time() - t_start)}; "
+              f"{path}", flush=True)
+
     def eval_progress(self, done, n, spent):
         """A long eval's progress line (rank 0); the first one on the CPU that shows a slow eval warns."""
         left = spent / done * (n - done)
@@ -903,7 +963,11 @@ class Trainer:
                 is_eval and (self.iter_num != self.start_iter or self.start_iter == 0))
             if evaluating:
                 self.evaluate(lr)
-            self.stop_if_signalled(at_eval=evaluating)  # a signal during an eval (the last one too) stops here
+            final = self.iter_num >= cfg["max_iters"] and cfg["final_eval_tokens"] > 0 and not cfg["eval_only"]
+            if final and self.master and self.final_eval_due():
+                self.final_eval()
+            # a signal during an eval (the last one and the final one too) stops here
+            self.stop_if_signalled(at_eval=evaluating or final)
             if self.iter_num >= cfg["max_iters"] or cfg["eval_only"]:
                 break
             if self.grad_check:

@@ -1,5 +1,6 @@
 """bench.py runs on a CPU and prints one row per kernel, per residual mode and per MoD setting."""
 import contextlib
+import csv
 import io
 import re
 import statistics
@@ -14,9 +15,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench  # noqa: E402
+import multiplier  # noqa: E402
 import train  # noqa: E402
 from configurator import ConfigError  # noqa: E402
 from model import RESIDUALS  # noqa: E402
+from test_flops import tiny_train_config  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -156,7 +159,9 @@ def test_bench_quickstart_times_both_commands(capsys, monkeypatch):
     out = capsys.readouterr().out
     # the commands: the quickstart config cut to 3 iterations, the LR schedule too, each run its own out_dir
     assert [c[1] for c in calls] == ["train.py", "bench.py", "bench.py", "train.py", "train.py", "bench.py"]
-    for c in calls:
+    for c in calls:  # train.py without its final eval on the whole val split: the baseline has none
+        assert (c[-1] == "--final_eval_tokens=0") == (c[1] == "train.py")
+        c[:] = c[:-1] if c[1] == "train.py" else c
         assert c[-4:-1] == [bench.QUICKSTART, "--max_iters=3", "--lr_decay_iters=3"] and c[-1].startswith("--out_dir=")
     assert len({c[-1] for c in calls}) == 6
     (ours, ours_loss), (base, base_loss) = result.values()
@@ -292,3 +297,50 @@ def test_the_quickstart_time_is_the_readmes():
     run = text.split("**The quickstart run.**")[1].split("\n\n")[0]
     assert not re.search(r"\d+(\.\d+)? ?min", run), run
     assert "[README](../README.md)" in run and "quiet machine" in run
+
+
+def test_bench_steps_times_every_cell_against_its_baseline(capsys, tmp_path, data_dir, monkeypatch):
+    """--section=steps builds each cell of a sweep config as its runs are (the value_residual cell's own key
+    included), pairs it with its depth's prenorm cell, and writes every round's two times to the CSV that
+    flops.py multiplier --step_times reads back: the printed median ratio is the CSV's, and the rounds' order
+    alternates (so a cell timed first in every round would show)."""
+    base = tiny_train_config(data_dir, tmp_path)
+    sweep = tmp_path / "sweep.py"
+    sweep.write_text(f"train_config = {str(base)!r}\nresiduals, depths = [], []\nruns = ["
+                     "('prenorm_L1', {'residual': 'prenorm', 'n_layer': 1}), "
+                     "('prenorm_L2', {'residual': 'prenorm', 'n_layer': 2}), "
+                     "('nag_L2', {'residual': 'nag', 'n_layer': 2}), "
+                     "('vr_L2', {'residual': 'prenorm', 'value_residual': 'half', 'n_layer': 2})]\n")
+    built, real = [], bench.train_step
+    bench_steps_csv = tmp_path / "steps.csv"
+
+    def recording(config, *args, **kw):
+        built.append(config)
+        return real(config, *args, **kw)
+    order = []
+    real_timeit = bench.timeit
+
+    def timing(fn, device, reps, warmup=3, what="a measurement"):
+        if what.startswith("step of "):
+            order.append(what[len("step of "):])
+        return real_timeit(fn, device, reps, warmup, what)
+    monkeypatch.setattr(bench, "train_step", recording)
+    monkeypatch.setattr(bench, "timeit", timing)
+    ratios = bench.main(["--section=steps", f"--sweep={sweep}", "--rounds=3", f"--steps_out={bench_steps_csv}",
+                         "--device=cpu"])
+    assert [(c.n_layer, c.residual, c.value_residual) for c in built] == [
+        (1, "prenorm", "none"), (2, "prenorm", "none"), (2, "nag", "none"), (2, "prenorm", "half")]
+    assert order == [*["prenorm_L1", "prenorm_L2", "nag_L2", "vr_L2"], *["vr_L2", "nag_L2", "prenorm_L2", "prenorm_L1"],
+                     *["prenorm_L1", "prenorm_L2", "nag_L2", "vr_L2"]]
+    with open(bench_steps_csv) as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["cell"], r["baseline"], r["round"]) for r in rows] == [
+        (c, "prenorm_L2", str(i)) for c in ("nag_L2", "vr_L2") for i in range(3)]
+    assert set(ratios) == {"nag_L2", "vr_L2"}
+    assert ratios["nag_L2"] == pytest.approx([float(r["ms"]) / float(r["baseline_ms"]) for r in rows[:3]], rel=1e-3)
+    out = capsys.readouterr().out
+    assert "| nag_L2 | prenorm_L2 | 2 |" in out and f"| {statistics.median(ratios['nag_L2']):.3f} |" in out
+    read, device = multiplier.read_step_times(str(bench_steps_csv))
+    assert read["vr_L2"] == pytest.approx(ratios["vr_L2"], rel=1e-3) and device == "CPU (1 thread)"
+    with pytest.raises(ConfigError, match="add --sweep="):
+        bench.main(["--section=steps"])

@@ -189,7 +189,7 @@ def train_cli(args):
 def tiny_train(data_dir, out_dir, **overrides):
     args = dict(dataset="shakespeare_char", data_dir=data_dir, out_dir=out_dir, device="cpu", n_layer=1, n_head=2,
                 n_embd=16, block_size=16, batch_size=2, gradient_accumulation_steps=1, eval_iters=1,
-                eval_interval=2, max_iters=2, warmup_iters=1, compile=False)
+                eval_interval=2, max_iters=2, warmup_iters=1, compile=False, final_eval_tokens=256)
     args.update(overrides)
     return [f"--{k}={v}" for k, v in args.items()]
 

@@ -18,7 +18,7 @@ def test_diagnostics_are_the_trained_models(data_dir, tmp_path, residual):
                 residual=residual, n_layer=2, n_head=2, n_embd=32, block_size=32, dropout=0.0, batch_size=4,
                 gradient_accumulation_steps=1, eval_iters=1, eval_interval=4, log_interval=4, learning_rate=3e-3,
                 warmup_iters=0, max_iters=4, lr_decay_iters=4, compile=False, always_save_checkpoint=True,
-                diagnose=True)
+                diagnose=True, final_eval_tokens=1024)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -251,7 +251,7 @@ def test_train_max_flops(data_dir, tmp_path):
     args = dict(dataset="shakespeare_char", data_dir=data_dir, out_dir=tmp_path / "out", device="cpu",
                 dtype="float32", n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4,
                 gradient_accumulation_steps=1, eval_iters=1, eval_interval=4, warmup_iters=1, max_iters=1000,
-                lr_decay_iters=1000, compile=False)
+                lr_decay_iters=1000, compile=False, final_eval_tokens=1024)
     config = GPTConfig(vocab_size=65, **{k: args[k] for k in ("n_layer", "n_head", "n_embd", "block_size")})
     per_token, tpi = flops.train_flops_per_token(config), 4 * 32
     budget = 10.2 * per_token * tpi
@@ -281,6 +281,15 @@ def test_shipped_sweep_configs_are_valid(path):
         assert all(cfg[k] == v for k, v in overrides.items())
         train.check_nag_recipe(cfg)
         run_config.model_config(cfg, 65)
+    # flops.py plan counts each cell at each of its budgets, once per seed
+    budgets = {c: sw["cell_budgets"].get(c, sw["budgets"]) if sw["budgets"] else [sw["budget"]]
+               for c, _ in flops.sweep_cells(sw)}
+    n = sum(len(b) for b in budgets.values()) * max(len(sw["seeds"]), 1)
+    if sw["budget_seconds"] is None:
+        assert f": {n} runs\n" in flops.plan([str(path), "--gpu=''"])
+    else:
+        with pytest.raises(ConfigError, match="time budget"):
+            flops.plan([str(path)])
 
 
 def tiny_train_config(data_dir, tmp_path):
@@ -289,12 +298,13 @@ def tiny_train_config(data_dir, tmp_path):
     base.write_text(f"dataset = 'shakespeare_char'\ndata_dir = {str(data_dir)!r}\ndevice = 'cpu'\n"
                     "dtype = 'float32'\nn_head = 2\nn_embd = 32\nblock_size = 32\nbatch_size = 4\n"
                     "gradient_accumulation_steps = 1\neval_iters = 1\neval_interval = 2\nwarmup_iters = 1\n"
-                    "max_iters = 1000\nlog_interval = 1\n")
+                    "max_iters = 1000\nlog_interval = 1\nfinal_eval_tokens = 1024\n")
     return base
 
 
 # a stand-in for train.py: appends its argv to argv.jsonl; fails with n_layer=0; else logs evals at
-# iters 0, 1 and max_iters (4 unless given) to log.jsonl, with fake_log()'s losses and FLOPs, and a ckpt.pt
+# iters 0, 1 and max_iters (4 unless given) to log.jsonl, with fake_log()'s losses and FLOPs, its final eval
+# (final_eval.json, the same loss) and a ckpt.pt
 FAKE_TRAIN = r"""import ast, json, os, sys
 args = {}
 for a in sys.argv[2:]:  # after the train config file
@@ -317,6 +327,8 @@ with open(os.path.join(args["out_dir"], "log.jsonl"), "a") as f:
         if mod != "none":
             rec.update(exec_train=[0.75] * 2 * L if it else None, exec_eval=[0.5, 0.7] * L)
         f.write(json.dumps(rec) + "\n")
+with open(os.path.join(args["out_dir"], "final_eval.json"), "w") as f:  # the final eval: the same loss here
+    json.dump({"iter": iters, "val_loss": final, "val_se": 0.001, "tokens": 1000}, f)
 open(os.path.join(args["out_dir"], "ckpt.pt"), "w").close()
 print("fake train.py done")
 """
@@ -521,6 +533,113 @@ def test_sweep_seeds_named_runs_and_parallel_jobs(data_dir, tmp_path, capsys, mo
     assert not (tmp_path / "bad").exists()
 
 
+def sweep_argv(base, tmp_path, *extra):
+    """A single-budget sweep of prenorm at 1-4 layers (the fake train.py logs 4 iterations for each)."""
+    return [f"--train_config={base}", f"--out_root={tmp_path}", "--sweep_name=s", "--residuals=['prenorm']",
+            "--depths=[1, 2, 3, 4]", "--budget=1.5e9", *extra]
+
+
+def results_csv(root):
+    with open(root / "results.csv") as f:
+        return {r["run"]: r for r in csv.DictReader(f)}
+
+
+def test_sweep_reevaluates_finished_runs_without_a_final_eval(data_dir, tmp_path, capsys, monkeypatch, fake_train):
+    """A finished run (done, log.jsonl, ckpt.pt) whose final_eval.json is gone is launched again by the next
+    sweep, resumed from its checkpoint (--init_from=resume) and said to be re-evaluated; its `done` (the
+    training's seconds) stays as it was, and its row gets the new final eval. A finished run with its
+    final_eval.json is skipped; one without final_eval.json and without ckpt.pt (nothing to evaluate) is
+    skipped too and keeps its log's last val loss, with no eval_tokens; and with final_eval_tokens=0 no run
+    is re-evaluated."""
+    monkeypatch.setattr(flops, "plot_results", lambda *args: None)
+    argv = sweep_argv(tiny_train_config(data_dir, tmp_path), tmp_path)
+    flops.run_sweep(argv)
+    root = tmp_path / "s"
+    for name in ("prenorm_L1", "prenorm_L3"):
+        os.remove(root / name / "final_eval.json")
+    os.remove(root / "prenorm_L3" / "ckpt.pt")
+    (root / "prenorm_L1" / "done").write_text("123.4\n")  # the seconds its training took
+    capsys.readouterr()
+    rows = {r["run"]: r for r in flops.run_sweep(argv)}
+    out = capsys.readouterr().out
+    assert "[1/4] prenorm_L1: finished without a final eval: re-evaluated from its checkpoint" in out
+    assert "4 runs (4 cells, one run each), 1 at a time: 3 finished (skipped), 1 to resume from a checkpoint, " \
+           "0 to start" in out
+    first, again = fake_train(root / "prenorm_L1")
+    assert again == first + ["--init_from=resume"]
+    assert (root / "prenorm_L1" / "done").read_text() == "123.4\n"
+    assert rows["prenorm_L1"]["seconds"] == 123.4 and rows["prenorm_L1"]["eval_tokens"] == 1000
+    for name in ("prenorm_L2", "prenorm_L3", "prenorm_L4"):
+        assert f"{name}: already finished, skipped" in out and len(fake_train(root / name)) == 1
+    final, _, _ = fake_log(3, 0)
+    assert rows["prenorm_L3"]["val_loss"] == final and "eval_tokens" not in rows["prenorm_L3"]
+    read = results_csv(root)
+    assert (read["prenorm_L3"]["eval_tokens"], read["prenorm_L3"]["val_se"]) == ("", "")
+    assert (read["prenorm_L2"]["eval_tokens"], read["prenorm_L2"]["val_se"]) == ("1000", "0.001")
+    assert (read["prenorm_L1"]["status"], read["prenorm_L1"]["eval_tokens"]) == ("done", "1000")
+    # final_eval_tokens=0: a run without final_eval.json is finished as it is
+    os.remove(root / "prenorm_L2" / "final_eval.json")
+    capsys.readouterr()
+    flops.run_sweep(argv[:-1] + ["--budget=1.5e9", "--train_args=['--final_eval_tokens=0']"])
+    assert capsys.readouterr().out.count("already finished, skipped") == 4
+    assert len(fake_train(root / "prenorm_L2")) == 1
+
+
+def test_results_take_the_final_eval_of_the_last_iteration(data_dir, tmp_path, monkeypatch, fake_train):
+    """results.csv's val_loss, val_se and eval_tokens come from final_eval.json when its iter is the log's
+    last; a final_eval.json of another iteration (a stale one) is ignored: val_loss is the log's last eval,
+    val_se and eval_tokens empty (run_result and the sweep's CSV both)."""
+    monkeypatch.setattr(flops, "plot_results", lambda *args: None)
+    argv = sweep_argv(tiny_train_config(data_dir, tmp_path), tmp_path)
+    flops.run_sweep(argv)
+    root = tmp_path / "s"
+    (root / "prenorm_L1" / "final_eval.json").write_text(
+        json.dumps({"iter": 4, "val_loss": 2.5, "val_se": 0.0123, "tokens": 4096}))
+    (root / "prenorm_L2" / "final_eval.json").write_text(
+        json.dumps({"iter": 3, "val_loss": 9.9, "val_se": 0.5, "tokens": 4096}))
+    os.remove(root / "prenorm_L2" / "ckpt.pt")  # else the sweep would re-evaluate it (test above)
+    assert flops.run_result(root / "prenorm_L1")["val_loss"] == 2.5
+    stale = flops.run_result(root / "prenorm_L2")
+    assert stale["val_loss"] == fake_log(2, 0)[0] and "val_se" not in stale and "eval_tokens" not in stale
+    flops.run_sweep(argv)
+    read = results_csv(root)
+    assert {"val_se", "eval_tokens"} <= set(read["prenorm_L1"])
+    assert (read["prenorm_L1"]["val_loss"], read["prenorm_L1"]["val_se"], read["prenorm_L1"]["eval_tokens"]) == \
+        ("2.5", "0.0123", "4096")
+    assert float(read["prenorm_L1"]["best_val_loss"]) == fake_log(1, 0)[1]  # the log's best: not the final eval's
+    assert (float(read["prenorm_L2"]["val_loss"]), read["prenorm_L2"]["val_se"],
+            read["prenorm_L2"]["eval_tokens"]) == (fake_log(2, 0)[0], "", "")
+    assert "| 2.5000 |" in (root / "results.md").read_text().split("| prenorm_L1 |")[1].split("\n")[0]
+
+
+def test_sweep_runs_only_the_named_cells(data_dir, tmp_path, monkeypatch, fake_train):
+    """cells=[...] runs those cells alone (in the sweep's order, whatever the list's); an unknown name in
+    cells, or in cell_budgets, is a one-line error naming it and listing the sweep's cells, before anything
+    runs."""
+    monkeypatch.setattr(flops, "plot_results", lambda *args: None)
+    base = tiny_train_config(data_dir, tmp_path)
+    argv = [f"--train_config={base}", f"--out_root={tmp_path}", "--sweep_name=s", "--residuals=['prenorm', 'nag']",
+            "--depths=[1, 2]", "--budget=1.5e9"]
+    rows = flops.run_sweep(argv + ["--cells=['nag_L2', 'prenorm_L1']"])
+    assert [r["run"] for r in rows] == ["prenorm_L1", "nag_L2"] and all(r["status"] == "done" for r in rows)
+    assert sorted(p.name for p in (tmp_path / "s").iterdir() if p.is_dir()) == ["nag_L2", "prenorm_L1"]
+    assert list(results_csv(tmp_path / "s")) == ["prenorm_L1", "nag_L2"]
+    listed = "its cells are prenorm_L1, prenorm_L2, nag_L1, nag_L2"
+    for bad, key in (("--cells=['prenorm_L1', 'nag_L9']", "cells"),
+                     ("--cell_budgets={'prenorm_L7': [1e9]}", "cell_budgets")):
+        for budget in (["--budget=1.5e9"], ["--budget=None", "--budgets=[1e9, 2e9]"]):
+            with pytest.raises(ConfigError) as e:
+                flops.run_sweep([*argv[:2], "--sweep_name=bad", *argv[3:5], *budget, bad])
+            msg = str(e.value)
+            assert msg.startswith(f"{key} names ") and listed in msg and "\n" not in msg
+            assert ("'nag_L9'" if key == "cells" else "'prenorm_L7'") in msg and "'prenorm_L1'" not in msg
+    with pytest.raises(ConfigError, match=r"^cells=\[\] names no cell to run: name some of prenorm_L1, "):
+        flops.run_sweep([*argv[:2], "--sweep_name=bad", *argv[3:], "--cells=[]"])
+    with pytest.raises(ConfigError, match="^cell_budgets gives cells their own budgets in a sweep over budgets"):
+        flops.run_sweep([*argv[:2], "--sweep_name=bad", *argv[3:], "--cell_budgets={'prenorm_L1': [1e9, 2e9]}"])
+    assert not (tmp_path / "bad").exists()
+
+
 def test_results_from_a_csv_test_each_cell_against_its_baseline(tmp_path, capsys):
     """flops.py results FILE.csv: results.md's tables from a results.csv alone (docs/ keeps those), each
     cell against the first cell of its depth or --baseline; the numbers are run_config.welch's
@@ -595,17 +714,20 @@ time.sleep(60)
 """
 
 
-def test_sigterm_to_a_sweep_stops_its_runs(data_dir, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("budgets", [None, [1e9, 2e9]])
+def test_sigterm_to_a_sweep_stops_its_runs(data_dir, tmp_path, capsys, monkeypatch, budgets):
     """SIGTERM to a sweep goes on to both running train.py processes, which checkpoint and exit; the sweep
     waits for them (none is left running when it exits), says how to resume and exits 143. In this
-    process (no second torch import): a thread sends the signal once both runs have started."""
+    process (no second torch import): a thread sends the signal once both runs have started. A budget
+    sweep stopped in its first budget gives its own command to resume (not that budget's alone)."""
     script, config = tmp_path / "sleepy_train.py", tmp_path / "sweep_test.py"
     script.write_text(SLEEPY_TRAIN)
     monkeypatch.setattr(flops, "TRAIN_SCRIPT", str(script))
     config.write_text(f"sweep_name = 's'\nout_root = {str(tmp_path)!r}\n"
                       f"train_config = {str(tiny_train_config(data_dir, tmp_path))!r}\n"
-                      "residuals = ['prenorm']\ndepths = [1, 2]\nbudget = None\njobs = 2\n")
-    pid_files = [tmp_path / "s" / run / "pid" for run in ("prenorm_L1", "prenorm_L2")]
+                      f"residuals = ['prenorm']\ndepths = [1, 2]\nbudget = None\nbudgets = {budgets!r}\njobs = 2\n")
+    root = tmp_path / "s" / ("b1e09" if budgets else "")
+    pid_files = [root / run / "pid" for run in ("prenorm_L1", "prenorm_L2")]
 
     def sigterm_once_started():
         for _ in range(300):
@@ -625,7 +747,7 @@ def test_sigterm_to_a_sweep_stops_its_runs(data_dir, tmp_path, capsys, monkeypat
             assert (p.parent / "signal.txt").read_text() == "SIGTERM"  # each run got it
             with pytest.raises(ProcessLookupError):  # and is gone, not an orphan still training
                 os.kill(int(p.read_text()), 0)
-        assert f"Resume with the same command: python flops.py sweep {config}" in capsys.readouterr().err
+        assert f"Resume with the same command: python flops.py sweep {config} (finished" in capsys.readouterr().err
         assert signal.getsignal(signal.SIGTERM) is uncaught  # the sweep put back the handler it found
     finally:  # whatever failed above, leave no process of this test behind
         signal.signal(signal.SIGTERM, previous)

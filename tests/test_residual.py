@@ -333,7 +333,7 @@ def test_attnres_blocks_out_of_range(blocks):
 def test_checkpoint_of_one_mode_refuses_another(data_dir, tmp_path):
     out = tmp_path / "out"
     args = dict(dataset="shakespeare_char", data_dir=data_dir, out_dir=out, device="cpu", n_layer=1, n_head=2,
-                n_embd=16, block_size=16, batch_size=2, eval_iters=1, eval_interval=2, max_iters=2)
+                n_embd=16, block_size=16, batch_size=2, eval_iters=1, eval_interval=2, max_iters=2, final_eval_tokens=256)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     with torch.random.fork_rng():

@@ -66,7 +66,7 @@ def test_three_fresh_starts_keep_all_three_runs(data_dir, tmp_path, in_process, 
     for seed in (1, 2, 3):
         in_process(tiny_args(data_dir, out, seed=seed, max_iters=2, gradient_accumulation_steps=1, eval_iters=1))
         moved += re.findall(r"^\S+ held an earlier run \(started [\d-]+ [\d:]+\): moved its ckpt.pt, log.jsonl, "
-                            r"config.json to (\S+); sample it or resume it with --out_dir=(\S+)$",
+                            r"config.json, final_eval.json to (\S+); sample it or resume it with --out_dir=(\S+)$",
                             capsys.readouterr().out, re.M)
     folders = sorted(p for p in out.iterdir() if p.is_dir())
     assert [Path(a) for a, b in moved] == [Path(b) for a, b in moved] == folders  # printed where each went
@@ -74,7 +74,7 @@ def test_three_fresh_starts_keep_all_three_runs(data_dir, tmp_path, in_process, 
     runs = [*folders, out]
     assert [load_ckpt(d)["config"]["seed"] for d in runs] == [1, 2, 3]
     for d, seed in zip(runs, (1, 2, 3)):
-        assert {"ckpt.pt", "log.jsonl", "config.json"} <= set(files(d))
+        assert {"ckpt.pt", "log.jsonl", "config.json", "final_eval.json"} <= set(files(d))
         assert [r["iter"] for r in read_log(d)] == [0, 2]
         record = json.loads((d / "config.json").read_text())
         assert record["config"]["seed"] == seed and f"--seed={seed}" in record["command"]

@@ -274,13 +274,15 @@ class Recorded(torch.nn.Module):
 
 
 def test_evals_run_the_compiled_module(data_dir, tmp_path, in_process, monkeypatch):
-    """With --compile, estimate_loss runs the module that training runs (compiled), in eval mode."""
+    """With --compile, estimate_loss and the final eval run the module that training runs (compiled), in eval
+    mode."""
     compiled = []
     monkeypatch.setattr(torch, "compile", lambda model: compiled.append(Recorded(model)) or compiled[-1])
     in_process(tiny_args(data_dir, tmp_path / "out", max_iters=2, compile=True))
     (module,) = compiled
     assert module.modes.count(True) == 2 * 2  # 2 iterations x 2 micro-steps
-    assert module.modes.count(False) == 2 * 2 * 2  # 2 evals x 2 splits x eval_iters=2
+    # 2 evals x 2 splits x eval_iters=2, then the final eval's 1024 tokens in batches of 4 x 32
+    assert module.modes.count(False) == 2 * 2 * 2 + 1024 // (4 * 32)
     assert [r["iter"] for r in read_log(tmp_path / "out")] == [0, 2]
 
 

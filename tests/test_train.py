@@ -45,7 +45,8 @@ def tiny_args(data_dir, out_dir, **overrides):
     args = dict(dataset="shakespeare_char", data_dir=data_dir, out_dir=out_dir, device="cpu", dtype="float32",
                 n_layer=2, n_head=2, n_embd=32, block_size=32, dropout=0.0, batch_size=4,
                 gradient_accumulation_steps=2, eval_iters=2, eval_interval=2, log_interval=1,
-                learning_rate=1e-3, warmup_iters=2, max_iters=8, lr_decay_iters=8, min_lr=1e-4, compile=False)
+                learning_rate=1e-3, warmup_iters=2, max_iters=8, lr_decay_iters=8, min_lr=1e-4, compile=False,
+                final_eval_tokens=1024)  # 8 windows: the whole val split's final eval would take seconds a run
     args.update(overrides)
     return [f"--{k}={v}" for k, v in args.items()]
 
@@ -439,7 +440,7 @@ def test_ddp_matches_single_process(base_run, data_dir, tmp_path):
     r = run([*torchrun, *args, "--init_from=resume"])
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     assert "resuming from" in r.stdout and "iter 4" in r.stdout
-    assert sorted(os.listdir(out)) == ["ckpt.pt", "config.json", "log.jsonl"]  # written by rank 0 alone
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "config.json", "final_eval.json", "log.jsonl"]  # by rank 0 alone
     ddp, single = read_log(out), read_log(base_run)
     assert [x["iter"] for x in ddp] == [x["iter"] for x in single] == [0, 2, 4, 6, 8]
     for a, b in zip(ddp, single):
@@ -577,7 +578,7 @@ def test_scratch_run_keeps_previous_checkpoint(base_run, data_dir, tmp_path, in_
     earlier run is kept, in a folder named by its start)."""
     out = tmp_path / "out"
     shutil.copytree(base_run, out)
-    old = {name: (out / name).read_bytes() for name in ("ckpt.pt", "log.jsonl", "config.json")}
+    old = {name: (out / name).read_bytes() for name in ("ckpt.pt", "log.jsonl", "config.json", "final_eval.json")}
     in_process(tiny_args(data_dir, out, max_iters=2, gradient_accumulation_steps=1))
     (folder,) = [p for p in out.iterdir() if p.is_dir()]
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == old
@@ -1121,3 +1122,138 @@ def test_block_attnres_prints_the_blocks_it_uses(data_dir, tmp_path, in_process,
         in_process(tiny_args(data_dir, tmp_path / str(blocks), residual="block_attnres", n_layer=3,
                              attnres_blocks=blocks, max_iters=1, eval_iters=1))
         assert said in capsys.readouterr().out
+
+
+# -----------------------------------------------------------------------------
+# final eval: final_eval.json, the val split's first final_eval_tokens tokens in fixed windows
+
+def reference_final_eval(out_dir, val_bin, final_eval_tokens):
+    """final_eval.json's numbers recomputed from the outside: the checkpoint's model on the val split's
+    consecutive windows of block_size (each target the next token), the first min(final_eval_tokens,
+    len - 1) // block_size of them rounded down to whole batches, all in one forward pass. Returns (mean of
+    the per-window mean losses, their standard error (ddof=1), windows)."""
+    ckpt = run_config.load_checkpoint(str(Path(out_dir) / "ckpt.pt"), "cpu")
+    model = run_config.model_from_checkpoint(ckpt, "cpu")
+    T, B = ckpt["model_args"]["block_size"], ckpt["config"]["batch_size"]
+    data = torch.from_numpy(np.fromfile(val_bin, dtype=np.uint16).astype(np.int64))
+    windows = min(final_eval_tokens, len(data) - 1) // T // B * B
+    x = data[:windows * T].view(windows, T)
+    y = data[1:windows * T + 1].view(windows, T)
+    with torch.no_grad():
+        logits, _ = model(x, y)
+    nll = -torch.log_softmax(logits.double(), -1).gather(-1, y[..., None]).squeeze(-1)
+    per_window = nll.mean(1).numpy()
+    return per_window.mean(), per_window.std(ddof=1) / math.sqrt(windows), windows
+
+
+def read_final_eval(out_dir):
+    with open(Path(out_dir) / "final_eval.json") as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("case", ["capped", "whole-split"])
+def test_final_eval_is_the_first_tokens_of_val(data_dir, tmp_path, in_process, case):
+    """A finished run's final_eval.json (iter = max_iters) holds the mean loss of the checkpoint's model over
+    the val split's first windows of block_size (targets shifted by one, no overlap, whole batches) and the
+    standard error over those windows, as recomputed here: capped at final_eval_tokens=1000 (31 windows, 7
+    batches of 4: 28 windows, 896 tokens), and, under the default cap, all of shakespeare's val split cut to
+    384 tokens (383 // 32 = 11 windows, 2 batches: 8; a window needs its next token, so 12 would not fit).
+    A random batch, an offset window, the last tokens or a model other than the checkpoint's give another loss."""
+    if case == "capped":
+        data, dataset, cap, windows = data_dir, "shakespeare_char", 1000, 28
+        overrides = dict(final_eval_tokens=cap)
+    else:
+        data, dataset, cap, windows = tmp_path / "data", "short", 2 ** 18, 8
+        shutil.copytree(Path(data_dir) / "shakespeare_char", data / dataset)  # its val split cut to 384 tokens
+        val = np.fromfile(data / dataset / "val.bin", dtype=np.uint16)
+        val[:384].tofile(data / dataset / "val.bin")
+        overrides = dict(dataset=dataset, final_eval_tokens=2 ** 18)  # the default (asserted below)
+    assert run_config.DEFAULTS["final_eval_tokens"] == 2 ** 18
+    out = tmp_path / "out"
+    in_process(tiny_args(data, out, max_iters=4, lr_decay_iters=4, **overrides))
+    rec = read_final_eval(out)
+    assert rec["iter"] == 4 == load_ckpt(out)["iter_num"] == read_log(out)[-1]["iter"]
+    assert (rec["windows"], rec["tokens"], rec["block_size"], rec["dataset"]) == (windows, windows * 32, 32, dataset)
+    mean, se, n = reference_final_eval(out, Path(data) / dataset / "val.bin", cap)
+    assert n == windows
+    assert rec["val_loss"] == pytest.approx(mean, abs=1e-6)
+    assert rec["val_se"] == pytest.approx(se, abs=1e-6) and rec["val_se"] > 0
+    # the trained model: below the untrained one's loss at iter 0
+    assert rec["val_loss"] < read_log(out)[0]["val_loss"] - 0.01
+
+
+def test_final_eval_same_tokens_for_every_seed(data_dir, tmp_path, in_process):
+    """Runs of two seeds are evaluated on the same windows (the same tokens: each run's numbers equal the
+    recomputation on the first tokens, though their models and losses differ), and a rerun of a seed writes a
+    bit-identical final_eval.json."""
+    recs = {}
+    for name, seed in (("a", 1), ("b", 2), ("a_again", 1)):
+        in_process(tiny_args(data_dir, tmp_path / name, max_iters=2, lr_decay_iters=2, seed=seed,
+                             final_eval_tokens=1000))
+        recs[name] = read_final_eval(tmp_path / name)
+    a, b = recs["a"], recs["b"]
+    assert (a["tokens"], a["windows"]) == (b["tokens"], b["windows"]) == (896, 28)
+    assert a["val_loss"] != b["val_loss"]  # two models
+    for name in ("a", "b"):
+        mean, _, _ = reference_final_eval(tmp_path / name, Path(data_dir) / "shakespeare_char" / "val.bin", 1000)
+        assert recs[name]["val_loss"] == pytest.approx(mean, abs=1e-6)
+    assert (tmp_path / "a_again" / "final_eval.json").read_bytes() == (tmp_path / "a" / "final_eval.json").read_bytes()
+
+
+def test_final_eval_tokens_zero_and_bad_values(data_dir, tmp_path, in_process):
+    """final_eval_tokens=0 turns the final eval off (the run finishes, no final_eval.json); -1, 1.5 and True
+    are one-line errors naming the key, before out_dir is made; check_run_config refuses them itself too
+    (a bool is not a whole number)."""
+    out = tmp_path / "out"
+    in_process(tiny_args(data_dir, out, max_iters=2, lr_decay_iters=2, final_eval_tokens=0))
+    assert [r["iter"] for r in read_log(out)] == [0, 2] and load_ckpt(out)["iter_num"] == 2
+    assert not (out / "final_eval.json").exists()
+    for bad in ("-1", "1.5", "True"):
+        r = run_train_here(tiny_args(data_dir, tmp_path / "bad", max_iters=2, final_eval_tokens=bad))
+        assert_one_line_error(r, "final_eval_tokens")
+        assert not (tmp_path / "bad").exists()
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ConfigError, match="final_eval_tokens") as e:
+            train.check_run_config(dict(run_config.DEFAULTS, final_eval_tokens=bad))
+        assert "\n" not in str(e.value)
+    train.check_run_config(dict(run_config.DEFAULTS, final_eval_tokens=0))
+
+
+def test_resume_runs_a_missing_final_eval_alone(data_dir, tmp_path, in_process, capsys):
+    """A finished run whose final_eval.json is gone, resumed (final_eval_tokens not given: the checkpoint's),
+    runs the final eval and nothing else: log.jsonl and ckpt.pt unchanged, the same file as before. Resumed
+    again with the file there, it does nothing: the file is not rewritten (same inode, mtime and bytes);
+    resumed with another final_eval_tokens, it evaluates those tokens."""
+    out = tmp_path / "out"
+    in_process(tiny_args(data_dir, out, max_iters=2, lr_decay_iters=2, final_eval_tokens=1000))
+    written = (out / "final_eval.json").read_bytes()
+    log, ckpt = (out / "log.jsonl").read_bytes(), (out / "ckpt.pt").read_bytes()
+    os.remove(out / "final_eval.json")
+    capsys.readouterr()
+    resume = [a for a in tiny_args(data_dir, out, max_iters=2, lr_decay_iters=2, init_from="resume")
+              if not a.startswith("--final_eval_tokens=")]
+    in_process(resume)
+    said = capsys.readouterr().out
+    assert "final eval at iter 2" in said and "nothing to train" in said
+    assert (out / "final_eval.json").read_bytes() == written
+    assert (out / "log.jsonl").read_bytes() == log and (out / "ckpt.pt").read_bytes() == ckpt
+    before = os.stat(out / "final_eval.json")
+    in_process(resume)
+    assert "final eval" not in capsys.readouterr().out
+    after = os.stat(out / "final_eval.json")
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert (out / "final_eval.json").read_bytes() == written
+    assert (out / "log.jsonl").read_bytes() == log and (out / "ckpt.pt").read_bytes() == ckpt
+    in_process([*resume, "--final_eval_tokens=384"])  # another set of tokens: evaluated again, nothing trained
+    assert read_final_eval(out)["tokens"] == 384 and read_final_eval(out)["final_eval_tokens"] == 384
+    assert (out / "log.jsonl").read_bytes() == log
+
+
+def test_final_eval_is_capped(data_dir, tmp_path, in_process):
+    """final_eval_tokens = 3 batches (3 x batch_size x block_size = 384 tokens) evaluates exactly those 384
+    tokens (12 windows), not the whole val split (111k tokens); 3 batches and a part of a fourth still 3."""
+    for cap in (3 * 4 * 32, 4 * 4 * 32 - 1):
+        out = tmp_path / str(cap)
+        in_process(tiny_args(data_dir, out, max_iters=2, lr_decay_iters=2, final_eval_tokens=cap))
+        rec = read_final_eval(out)
+        assert (rec["tokens"], rec["windows"]) == (384, 12)
