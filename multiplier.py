@@ -9,7 +9,7 @@ each other:
   This is the headline. A loss outside the baseline's measured range needs the end segment extended: that
   figure is flagged "extrapolated" wherever it is printed and left out of the overall figure and the trend.
 - fitted: L = E + A_c (C/s)^-alpha_c for every cell of a depth at once, E shared (one asymptote for all, which
-  a single cell's few budgets cannot pin). A fit with a parameter at its bound, or whose multiplier moves
+  a single cell's few budgets cannot pin), alpha_c the baseline's for a cell with fewer than 3 budgets. A fit with a parameter at its bound, or whose multiplier moves
   by more than the measured figure's interval half-width when one baseline budget is left out, is named
   degenerate and gives no number.
 Overall: the geometric mean over the in-range budgets. Per 2x compute: 2^slope of log multiplier on log
@@ -35,6 +35,7 @@ from configurator import ConfigError
 LEVEL = (2.5, 97.5)  # the intervals' percentiles: 95%
 MIN_TREND_BUDGETS = 4  # a per-2x-compute trend needs this many in-range budgets
 ALPHA_BOUNDS = (1e-3, 5.0)  # the fit's exponent range; an exponent on either bound: a degenerate fit
+BOUND_TOL = 1e-3  # a fitted parameter this close to a bound (a fraction of its range) is on it
 
 
 class Degenerate(ValueError):
@@ -172,34 +173,41 @@ def bootstrap(base, cell, n, seed, inside, names=("", "")):
 # the fit: every cell of a depth at once, one asymptote E
 
 def joint_fit(groups_by_cell):
-    """L_c(C) = E + A_c (C/s)^-alpha_c fitted to every run of every cell at once (scipy least_squares), E
-    shared, between 0 and every cell's lowest mean loss, alpha_c in ALPHA_BOUNDS, s the geometric mean compute.
-    Returns ({cell: (E, A, alpha)}, s, [why it is degenerate: each parameter on a bound])."""
+    """L_c(C) = E + A_c (C/s)^-alpha_c fitted to every run of every cell at once (scipy least_squares): E
+    shared, between 0 and every cell's lowest mean loss (a cross-entropy is never below 0); alpha_c in
+    ALPHA_BOUNDS for the first cell (the baseline) and for every cell with 3 budgets or more, the baseline's
+    for a cell with fewer (two points cannot pin an exponent too: such a cell is the baseline's curve moved
+    along compute); s the geometric mean compute. Returns ({cell: (E, A, alpha)}, s, [why it is degenerate:
+    each parameter on a bound])."""
     from scipy.optimize import least_squares
     cells = list(groups_by_cell)
+    own = [k == 0 or len(groups_by_cell[c]) >= 3 for k, c in enumerate(cells)]
+    slot = np.cumsum(own) - 1  # cell k's exponent: p[1 + len(cells) + slot[k]], the baseline's if not its own
+    alpha_of = np.array([slot[k] if own[k] else 0 for k in range(len(cells))])
     runs = [(i, x, y) for i, c in enumerate(cells) for g in groups_by_cell[c].values() for x, y in g]
     s = math.exp(statistics.mean(math.log(x) for _, x, _ in runs))
     i_of = np.array([i for i, _, _ in runs])
     x, y = np.array([x / s for _, x, _ in runs]), np.array([y for _, _, y in runs])
     floor = min(m for c in cells for _, m in means(groups_by_cell[c]))
     top = max(m for c in cells for _, m in means(groups_by_cell[c]))
-    e0 = floor - 0.5 * (top - floor)
-    p0 = [e0] + [v for c in cells for v in (math.log(max(means(groups_by_cell[c])[0][1] - e0, 1e-3)), 0.3)]
-    e0 = min(max(e0, 0.1 * floor), 0.9 * floor)
-    lower = [0.0] + [-np.inf, ALPHA_BOUNDS[0]] * len(cells)  # a cross-entropy is never below 0
-    upper = [floor] + [np.inf, ALPHA_BOUNDS[1]] * len(cells)
+    e0 = min(max(floor - 0.5 * (top - floor), 0.1 * floor), 0.9 * floor)
+    p0 = [e0] + [math.log(max(means(groups_by_cell[c])[0][1] - e0, 1e-3)) for c in cells] + [0.3] * sum(own)
+    lower = [0.0] + [-np.inf] * len(cells) + [ALPHA_BOUNDS[0]] * sum(own)
+    upper = [floor] + [np.inf] * len(cells) + [ALPHA_BOUNDS[1]] * sum(own)
+    n = len(cells)
 
     def residuals(p):
-        la, al = np.asarray(p[1::2])[i_of], np.asarray(p[2::2])[i_of]
+        la, al = np.asarray(p[1:1 + n])[i_of], np.asarray(p[1 + n:])[alpha_of][i_of]
         return p[0] + np.exp(la) * x ** -al - y
     with np.errstate(all="ignore"):
         p = least_squares(residuals, p0, bounds=(lower, upper), x_scale="jac").x
-    params = {c: (float(p[0]), float(math.exp(p[1 + 2 * k])), float(p[2 + 2 * k])) for k, c in enumerate(cells)}
-    tol = 1e-6 * max(1.0, top - floor)
+    params = {c: (float(p[0]), float(math.exp(p[1 + k])), float(p[1 + n + alpha_of[k]])) for k, c in enumerate(cells)}
+    # on a bound: within BOUND_TOL of the parameter's range (the solver stops near a bound, not on it)
+    tol = BOUND_TOL * floor
     bound = ([f"E at its upper bound (the lowest mean loss, {floor:.4f})"] if p[0] > floor - tol else
              ["E at its lower bound 0"] if p[0] < tol else [])
-    bound += [f"alpha of {c} at its bound {a:g}" for c, (_, _, al) in params.items() for a in ALPHA_BOUNDS
-              if abs(al - a) < 1e-4 * max(a, 1)]
+    bound += [f"alpha of {c} at its bound {a:g}" for k, (c, (_, _, al)) in enumerate(params.items()) if own[k]
+              for a in ALPHA_BOUNDS if abs(al - a) < BOUND_TOL * (ALPHA_BOUNDS[1] - ALPHA_BOUNDS[0])]
     return params, s, bound
 
 

@@ -78,3 +78,36 @@ def test_the_multipliers_train_at_a_hundredth_of_the_lr():
     assert lam["lr"] == pytest.approx(2e-5) and beta["lr"] == pytest.approx(2e-3)
     with pytest.raises(ValueError, match="scalars_lr_scale must be a number > 0"):
         tiny(scalars_lr_scale=0)
+
+
+def test_the_declared_flops_are_the_scaling_each_block_computes():
+    """flops.py's scalars term per block equals the element-wise work the scaling really adds (lam x, beta x0 and
+    their sum: 3 per element of the stream), counted with a dispatch mode as the per-block increment (L = 3 less
+    L = 2, which cancels the x0 norm and the head) over prenorm's. A declared 2d per block is d off per block."""
+    import flops
+    from torch.utils._python_dispatch import TorchDispatchMode
+    aten = torch.ops.aten
+    elementwise = {aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.rsub.Scalar, aten.mul.Scalar}
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in elementwise and torch.is_tensor(out):
+                Count.n += out.numel()
+            return out
+
+    B, T, counts = 2, 8, {}
+    for residual in ("prenorm", "scalars"):
+        for L in (2, 3):
+            torch.manual_seed(0)
+            model = GPT(GPTConfig(block_size=T, vocab_size=65, n_layer=L, n_head=2, n_embd=16, residual=residual))
+            Count.n = 0
+            with torch.no_grad(), Count():
+                model(torch.randint(0, 65, (B, T)))
+            counts[residual, L] = Count.n / (B * T)
+    per_block = (counts["scalars", 3] - counts["scalars", 2]) - (counts["prenorm", 3] - counts["prenorm", 2])
+    declared = [flops.forward_flops(GPTConfig(block_size=T, vocab_size=65, n_layer=L, n_head=2, n_embd=16,
+                                              residual="scalars"))["scalars"] for L in (2, 3)]
+    assert per_block == declared[1] - declared[0] == 3 * 16

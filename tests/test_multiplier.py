@@ -423,3 +423,20 @@ def test_plan_counts_every_run_and_its_hours(data_dir, tmp_path):
         flops.main(["plan", str(cfg), "--gpu=TPU"])
     with pytest.raises(ConfigError, match="mfu must be a fraction"):
         flops.main(["plan", str(cfg), "--mfu=35"])
+
+
+def test_the_joint_fit_shares_e_and_ties_a_short_cells_exponent():
+    """joint_fit: one E for every cell (the true 1.5 recovered from noise-free runs), each cell its own A; a cell
+    with 3 budgets or more its own exponent (a steeper design's 0.4 found), one with fewer the baseline's (its
+    two points cannot pin an exponent as well: were it free, a 2-budget cell would be exactly fitted by any E)."""
+    budgets = [1e12, 2e12, 4e12, 8e12]
+    base = {b: [(b, base_loss(b))] for b in budgets}
+    steep = {b: [(b, 1.5 + 40 * (b / 1e8) ** -0.4)] for b in budgets}
+    short = {b: [(b, base_loss(2 * b))] for b in budgets[1:3]}
+    params, s, bound = mult.joint_fit({"prenorm": base, "steep": steep, "short": short})
+    assert not bound
+    assert {e for e, _, _ in params.values()} == {params["prenorm"][0]}
+    assert params["prenorm"][0] == pytest.approx(1.5, abs=1e-3)
+    assert params["prenorm"][2] == pytest.approx(0.3, abs=1e-3) and params["steep"][2] == pytest.approx(0.4, abs=1e-3)
+    assert params["short"][2] == params["prenorm"][2]
+    assert params["short"][1] == pytest.approx(params["prenorm"][1] * 2 ** -0.3, rel=1e-3)  # the 2x shift in A
