@@ -5,14 +5,18 @@ The reference below is written from the paper, not from model.py: its own loop o
 pseudocode's block boundaries (`layer % k == 0`, before the layer's attention: the finished block is
 appended after the attention has read it as its "partial block"), its own RMSNorm of the keys, its
 own softmax (or sigmoid) over depth. It borrows only the sublayers themselves (attention, MLP: the
-paper's f_l) and the weights. Every query and norm weight is moved off its init first, so a wrong
-partition, a missing key norm or a wrong query cannot pass by accident. Also here: the partition
-rule and its errors, and one test per ablation switch that fails without it."""
+paper's f_l) and the weights. Every query and norm weight is moved off its init first, and the
+backbone's matrices too (tests/fidelity.py: at init the blocks barely move the stream), so a wrong
+partition, a missing key norm or a wrong query cannot pass by accident; and every parameter's
+gradient is compared with the reference's, so neither can a depth mix whose input, key or weight is
+under a stop-gradient. Also here: the partition rule and its errors, and one test per ablation switch
+that fails without it."""
 import math
 
 import pytest
 import torch
 
+from fidelity import assert_same_gradients, perturb_backbone
 from model import GPT, GPTConfig
 from model import RESIDUALS  # noqa: E402
 
@@ -32,7 +36,8 @@ def tiny(residual="block_attnres", **kw):
 
 
 def random_model(config, seed=0):
-    """A float64 model whose AttnRes queries, projections and norm weights are random, not 0 / 1."""
+    """A float64 model whose AttnRes queries, projections and norm weights are random, not 0 / 1, and
+    whose backbone is perturbed (the same draw for every model of one shape: perturb_backbone's seed)."""
     torch.manual_seed(seed)
     model = GPT(config).double().eval()
     g = torch.Generator().manual_seed(seed + 1)
@@ -40,6 +45,7 @@ def random_model(config, seed=0):
         for name, p in model.stream.named_parameters():
             std = 0.3 / math.sqrt(p.size(-1)) if p.dim() == 2 else 0.5
             p.add_(std * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    perturb_backbone(model, seed=seed + 2)  # blocks that move the stream, so a wrong mix shows
     return model
 
 
@@ -123,6 +129,8 @@ def batch(B=2, T=8, seed=3):
     (3, None),  # default N = min(8, L) = 3
 ])
 def test_block_attnres_equals_the_reference(n_layer, blocks):
+    """Logits at every position and every parameter's gradient (the fused depth_attention kernel's own
+    backward included) equal the reference's, float64, backbone perturbed, queries and norms random."""
     config = tiny(n_layer=n_layer, attnres_blocks=blocks)
     model = random_model(config)
     idx = batch()
@@ -131,15 +139,19 @@ def test_block_attnres_equals_the_reference(n_layer, blocks):
     ref, used = reference_logits(model, idx, k)
     torch.testing.assert_close(logits, ref, **TOL)
     assert used == blocks_used(config) == math.ceil(n_layer / k)
+    assert_same_gradients(model, logits, ref)  # a source, key or query under a stop-gradient passes the logits
 
 
 def test_attnres_equals_the_reference_eqs_2_to_4():
+    """Full AttnRes (every sublayer's output a source): logits and every parameter's gradient equal the
+    reference's, float64, backbone perturbed, queries and norms random."""
     model = random_model(tiny("attnres", n_layer=3))
     idx = batch()
     logits, _ = model(idx, idx)
     ref, used = reference_logits(model, idx, None)
     torch.testing.assert_close(logits, ref, **TOL)
     assert used == blocks_used(model.config) == 6
+    assert_same_gradients(model, logits, ref)
 
 
 def test_block_attnres_with_one_layer_per_block_is_not_full_attnres():
@@ -220,6 +232,8 @@ ABLATIONS = [dict(attnres_query="input"), dict(attnres_weights="sigmoid"), dict(
 @pytest.mark.parametrize("residual", ["block_attnres", "attnres"])
 @pytest.mark.parametrize("ablation", ABLATIONS, ids=lambda kw: "-".join(map(str, kw.values())))
 def test_ablation_equals_the_reference_and_differs_from_the_default(ablation, residual):
+    """Each ablation (the plain path): logits and every parameter's gradient equal the reference's
+    version of it, float64, backbone perturbed; and the logits are not the default's."""
     blocks = 3 if residual == "block_attnres" else None  # L = 4: k = 2
     default = random_model(tiny(residual, attnres_blocks=blocks))
     model = random_model(tiny(residual, attnres_blocks=blocks, **ablation))
@@ -230,6 +244,7 @@ def test_ablation_equals_the_reference_and_differs_from_the_default(ablation, re
                               **{name.removeprefix("attnres_"): value for name, value in ablation.items()})
     torch.testing.assert_close(logits, ref, **TOL)
     assert not torch.allclose(logits, default(idx, idx)[0], rtol=1e-4, atol=1e-4)
+    assert_same_gradients(model, logits, ref)
 
 
 def test_input_query_starts_as_the_uniform_mix():

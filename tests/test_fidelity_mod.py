@@ -5,8 +5,10 @@ top-k tokens by the router's raw score r = <w, x> run the whole block f (attenti
 tokens only, causal in their order, RoPE at their original positions; then the MLP on x + a), and
 x_{l+1} = x + r f(x) for them; the others keep x. The model must give the same logits with
 mod_layout=block, router_weight=raw; and each switch (mod_layout, mod_every, router_weight,
-mod_inference) must change what it says it changes. The predictor (mod_inference=predictor, the
-paper's sampling method) is trained by a BCE that leaves the main model's gradients alone."""
+mod_inference) must change what it says it changes. With the backbone perturbed, every parameter's
+gradient through the routed forward equals the reference's too, at the routing both make. The
+predictor (mod_inference=predictor, the paper's sampling method) is trained by a BCE that leaves the
+main model's gradients alone."""
 import math
 
 import pytest
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import flops
+from fidelity import assert_same_gradients, perturb_backbone
 from model import GPT, GPTConfig
 from model import TopKMoD  # noqa: E402
 from test_mod import spy_routes
@@ -50,19 +53,26 @@ def rms(x, w, eps=1e-6):
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * w
 
 
-def rotate(x, pos):
-    """RoPE on x [k, nh, hd] at positions pos [k]: feature pairs (2i, 2i+1) turned by pos / 10000^(2i/hd)."""
+def rotate(x, pos, table=None):
+    """RoPE on x [k, nh, hd] at positions pos [k]: feature pairs (2i, 2i+1) turned by pos / 10000^(2i/hd).
+    table: the cos and sin of those angles from a [T, hd/2, 2] table (model.py's, float32 angles: a
+    float64 recomputation differs by ~1e-8, which the gradients' float64 comparison would see); None:
+    computed here, in float64."""
     hd = x.size(-1)
-    angle = pos[:, None, None].double() * 10000.0 ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    if table is None:
+        angle = pos[:, None, None].double() * 10000.0 ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+        cos, sin = angle.cos(), angle.sin()
+    else:
+        cos, sin = table[pos][:, None, :, 0].double(), table[pos][:, None, :, 1].double()
     a, b = x[..., 0::2], x[..., 1::2]
-    return torch.stack((a * angle.cos() - b * angle.sin(), a * angle.sin() + b * angle.cos()), -1).flatten(-2)
+    return torch.stack((a * cos - b * sin, a * sin + b * cos), -1).flatten(-2)
 
 
-def attention(p, x, pos):
+def attention(p, x, pos, table=None):
     """Causal self-attention of the sequence x [k, C] whose tokens sit at positions pos."""
     k = x.size(0)
     q, key, v = (x @ p["c_attn.weight"].T).view(k, 3, H, C // H).unbind(1)
-    q, key = rotate(q, pos).transpose(0, 1), rotate(key, pos).transpose(0, 1)
+    q, key = rotate(q, pos, table).transpose(0, 1), rotate(key, pos, table).transpose(0, 1)
     s = q @ key.transpose(-1, -2) / math.sqrt(C // H)
     s = s.masked_fill(~torch.ones(k, k, dtype=torch.bool).tril(), float("-inf"))
     y = (s.softmax(-1) @ v.transpose(0, 1)).transpose(0, 1).reshape(k, C)
@@ -73,35 +83,42 @@ def mlp(p, x):
     return F.gelu(x @ p["c_fc.weight"].T) @ p["c_proj.weight"].T
 
 
-def reference_logits(model, idx, weight=lambda r: r, every=1, keep=None):
+def reference_logits(model, idx, weight=lambda r: r, every=1, keep=None, record=None, table=None):
     """Eq. 1 per block b (pre-norm; sandwich also normalises the embedding and each sublayer's
     output): f(x) = a + m with a = attn(N(x)), m = mlp(N(x + a)); routed blocks (b % every == 0)
-    give the top-k tokens of each row x + weight(r) f(x) with r = <w_b, N(x)>; dense blocks x + f(x)."""
-    sd = {k: v.double() for k, v in model.state_dict().items()}
+    give the top-k tokens of each row x + weight(r) f(x) with r = <w_b, N(x)>; dense blocks x + f(x).
+    It reads the model's parameters themselves, so its logits carry their gradients (at its routing:
+    top-k is piecewise constant). record: a dict that gets each routed block's kept positions, [B, k]
+    at key b. table: RoPE's cos and sin (see rotate)."""
+    sd = {k: v.double() for k, v in (*model.named_buffers(), *model.named_parameters())}
     sandwich = model.config.residual == "sandwich"
     sub = lambda l: {k.split(".", 2)[2]: v for k, v in sd.items() if k.startswith(f"sublayers.{l}.")}  # noqa: E731
     post = (lambda l, y: rms(y, sd[f"stream.post_norms.{l}.weight"])) if sandwich else (lambda l, y: y)
-    x = sd["wte.weight"][idx]
+    embedded = sd["wte.weight"][idx]
     if sandwich:
-        x = rms(x, sd["stream.norm_embed.weight"])
+        embedded = rms(embedded, sd["stream.norm_embed.weight"])
     k = math.ceil(keep * T)
-    out = x.clone()
+    out = []
     for row in range(idx.size(0)):
-        x = out[row]
+        x = embedded[row]
         for b in range(model.config.n_layer):
             attn_in = rms(x, sd[f"stream.norms.{2 * b}.weight"])
             if b % every == 0:
                 r = attn_in @ sd[f"mod.routers.{b // every}.weight"][0]
                 kept = r.topk(k).indices.sort().values
+                if record is not None:
+                    record.setdefault(b, []).append(kept)
             else:
                 r, kept = torch.ones(T, dtype=torch.float64), torch.arange(T)
             xs = x[kept]
-            a = post(2 * b, attention(sub(2 * b), attn_in[kept], kept))
+            a = post(2 * b, attention(sub(2 * b), attn_in[kept], kept, table))
             m = post(2 * b + 1, mlp(sub(2 * b + 1), rms(xs + a, sd[f"stream.norms.{2 * b + 1}.weight"])))
             w = weight(r[kept])[:, None] if b % every == 0 else 1.0
             x = x.index_copy(0, kept, xs + w * (a + m))
-        out[row] = x
-    return (rms(out, sd["stream.norm_f.weight"]) @ sd["lm_head.weight"].T)[..., :V]
+        out.append(x)
+    if record is not None:
+        record.update({b: torch.stack(rows) for b, rows in record.items()})
+    return (rms(torch.stack(out), sd["stream.norm_f.weight"]) @ sd["lm_head.weight"].T)[..., :V]
 
 
 def train_logits(model, idx):
@@ -113,13 +130,30 @@ def train_logits(model, idx):
 
 @pytest.mark.parametrize("residual", ["prenorm", "sandwich"])
 @pytest.mark.parametrize("every", [1, 2])
-def test_block_routing_is_eq1_of_the_paper(residual, every):
+def test_block_routing_is_eq1_of_the_paper(residual, every, monkeypatch):
+    """The routed training forward (mod_layout=block, router_weight=raw), backbone perturbed, against
+    Eq. 1: the logits equal the reference's with RoPE computed in float64 (1e-6: model.py's table holds
+    float32 angles); with model.py's table the reference routes the very same tokens in every routed
+    block and row, and then its logits (1e-10) and every parameter's gradient (float64, per element)
+    are the model's: the routers' (through r scaling the kept writes) and the blocks' alike, at that
+    fixed routing (top-k is piecewise constant). A score or block output under a stop-gradient passes
+    the logits and fails here."""
     model = model_fp64(residual=residual, mod_every=every, mod_rate=0.25)
+    perturb_backbone(model, seed=2)  # blocks that move the stream, so a wrong write shows
     idx = torch.randint(0, V, (2, T))
     keep = TopKMoD.keep_fraction(model.config)
     assert keep == (0.75 if every == 1 else 0.5)  # mod_rate is the overall skipped fraction
     expected = reference_logits(model, idx, every=every, keep=keep)
     torch.testing.assert_close(train_logits(model, idx), expected, rtol=1e-6, atol=1e-6)
+    seen = spy_routes(monkeypatch, model)
+    logits, _ = model.train()(idx, idx)
+    kept = {}
+    reference = reference_logits(model, idx, every=every, keep=keep, record=kept, table=model.rope)
+    routed = {l // 2: route.idx for l, route, _, _ in seen if route is not None and l % 2 == 0}
+    assert sorted(routed) == sorted(kept) == list(range(0, L, every))
+    assert all(torch.equal(routed[b], kept[b]) for b in kept)  # the same tokens: gradients at one routing
+    torch.testing.assert_close(logits, reference, rtol=1e-10, atol=1e-10)
+    assert_same_gradients(model, logits, reference)
 
 
 # -----------------------------------------------------------------------------

@@ -4,7 +4,11 @@
 
 The references below are written from that code's equations, not from model.py: the head as e^s times
 the cosine of (mean-centred) W_U rows with r (nag_head=cosine) or as e^(s + g_dec) sqrt(d) times it
-(nag_head=sqrt_d), the modulator as max(p, 1e-6) ** beta. Then one test per recipe option that fails
+(nag_head=sqrt_d), the modulator as max(p, 1e-6) ** beta, and the whole model: the embedding split
+into a unit-RMS direction and a log-norm, each sublayer's update centred, made orthogonal to r,
+RMS-normalised and added with the tangent a = alpha_l m_l(r), r re-normalised by its RMS, s growing by
+1/2 log(1 + a^2). Each compares values and the gradients through them (tests/fidelity.py: the whole
+model with its backbone perturbed, every parameter). Then one test per recipe option that fails
 without it: the gate group's LR, no weight decay on the modulators, the alpha warm-up, the gate-health
 diagnostics."""
 import math
@@ -15,10 +19,12 @@ import torch.nn.functional as F
 
 import train
 from configurator import ConfigError, configure
+from fidelity import assert_same_gradients, perturb_backbone
 from model import GPT, GPTConfig, Modulator
 from run_config import DEFAULTS
 
 TOL = dict(rtol=1e-5, atol=1e-10)  # float64; the head's RMS epsilon (1e-6) is the only approximation
+EPS = 1e-6  # the RMS epsilon of every RMS normalisation here (the update's)
 
 
 def tiny(**kw):
@@ -34,6 +40,16 @@ def random_state(d, seed=0):
     return r, torch.randn(2, 5, 1, generator=g, dtype=torch.float64)
 
 
+def assert_same_input_gradients(out, reference, inputs, **tol):
+    """The gradients of sum(out * w), w a fixed random weight, with respect to the input tensors, through
+    out and through the reference (the parameters' are assert_same_gradients')."""
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=out.dtype)
+    got = torch.autograd.grad((out * w).sum(), inputs, retain_graph=True)
+    want = torch.autograd.grad((reference * w).sum(), inputs, retain_graph=True)
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, **tol, msg=lambda m, i=i: f"grad of input {i}: {m}")
+
+
 # -----------------------------------------------------------------------------
 # the head
 
@@ -46,16 +62,31 @@ def reference_head(form, r, s, w_u, g_dec=0.0):
 
 @pytest.mark.parametrize("form", ["cosine", "sqrt_d"])
 def test_head_matches_reference(form):
+    """The head's logits equal the reference's to its RMS epsilon (TOL); with W_U's rows scaled up, so
+    that the epsilon vanishes, the logits and their gradients with respect to W_U, g_dec (sqrt_d), s and
+    the direction equal the reference's in float64 (rtol 1e-8). The direction reaches the head as the
+    stream leaves it, normalised to unit RMS (here from r0): the model's head divides by sqrt(d), the
+    cosine by |r|, which agree only on unit-RMS r, so only the gradient along that sphere is the
+    reference's."""
     torch.manual_seed(0)
     model = GPT(tiny(nag_head=form)).double()
     with torch.no_grad():
         model.lm_head.weight.normal_(0.1, 0.7)  # rows off-centre and not unit RMS: the head must fix both
         if form == "sqrt_d":
             model.stream.g_dec.fill_(0.3)
-    r, s = random_state(16)
-    g_dec = model.stream.g_dec.item()
+    r0, s = (t.requires_grad_() for t in random_state(16))
+    r = r0 / r0.square().mean(-1, keepdim=True).sqrt()
     torch.testing.assert_close(model.stream.head((r, s), model.lm_head),
-                               reference_head(form, r, s, model.lm_head.weight, g_dec), **TOL)
+                               reference_head(form, r, s, model.lm_head.weight, model.stream.g_dec), **TOL)
+    # the gradients with W_U's rows 1000x larger (the same cosines): the epsilon then moves them by < 1e-12
+    # (at RMS 0.7 it moves a small element of W_U's gradient by 1e-4 of itself)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1000.0)
+    logits = model.stream.head((r, s), model.lm_head)
+    reference = reference_head(form, r, s, model.lm_head.weight, model.stream.g_dec)
+    torch.testing.assert_close(logits, reference, rtol=1e-10, atol=1e-10)
+    assert_same_input_gradients(logits, reference, (r0, s), rtol=1e-8, atol=1e-10)
+    assert_same_gradients(model, logits, reference)
 
 
 def test_head_default_is_the_reference_and_sqrt_d_is_sqrt_d_larger():
@@ -89,6 +120,8 @@ def reference_modulator(r, w, b, c, beta_raw, floor=1e-6):
 
 
 def test_modulator_matches_reference_with_floor():
+    """m(r) equals the reference's on both sides of the floor, and so do its gradients with respect to
+    w, b, c, beta and r (float64, per element): 0 below the floor, through p ** beta above it."""
     torch.manual_seed(0)
     mod = Modulator(16, 8).double()
     with torch.no_grad():
@@ -96,10 +129,78 @@ def test_modulator_matches_reference_with_floor():
         mod.proj.bias.normal_(-15.0, 1.0)  # small sigmoids: p below the floor for some tokens
         mod.mix.normal_(0, 1.0)
         mod.beta_raw.fill_(-0.5)  # beta < 1
-    r = torch.randn(64, 16, dtype=torch.float64) * 3
+    r = (torch.randn(64, 16, dtype=torch.float64) * 3).requires_grad_()
     ref = reference_modulator(r, mod.proj.weight, mod.proj.bias, mod.mix, mod.beta_raw)
-    torch.testing.assert_close(mod(r), ref, rtol=1e-12, atol=0)
+    m = mod(r)
+    torch.testing.assert_close(m, ref, rtol=1e-12, atol=0)
     assert (mod.mixture(r) == 1e-6).any() and (mod.mixture(r) > 1e-6).any()  # both sides of the floor
+    assert_same_input_gradients(m, ref, (r,), rtol=1e-8, atol=1e-10)
+    assert_same_gradients(mod, m, ref)
+
+
+# -----------------------------------------------------------------------------
+# the whole model: the stream's update, the modulators and the head together
+
+def reference_logits(model, idx, form, modulated=True):
+    """nag-nanochat's forward, from its equations: e centred, r = e / rms(e), s = log rms(e) + g_enc; per
+    sublayer l, u = f_l(r) (r read as is: unit RMS already), a = alpha_l m_l(r) (reference_modulator),
+    v = the RMS-normalised (eps 1e-6) part of u - mean(u) orthogonal to r, r <- (r + a v) / rms(r + a v)
+    (the RMS alone: no 1/sqrt(1 + a^2) first), s <- s + 1/2 log(1 + a^2); the head reference_head.
+    modulated=False: a = alpha_l (no modulator; to show that the comparison can fail)."""
+    stream, T = model.stream, idx.size(1)
+    e = model.wte.weight[idx]
+    e = e - e.mean(-1, keepdim=True)
+    rms = e.square().mean(-1, keepdim=True).sqrt()
+    r, s = e / rms, torch.log(rms) + stream.g_enc
+    for l, sublayer in enumerate(model.sublayers):
+        u = sublayer(r, model.rope[:T]) if l % 2 == 0 else sublayer(r)
+        mod = stream.modulators[l]
+        m = reference_modulator(r, mod.proj.weight, mod.proj.bias, mod.mix, mod.beta_raw) if modulated else 1.0
+        a = stream.alpha[l] * m
+        uc = u - u.mean(-1, keepdim=True)
+        up = uc - (uc * r).sum(-1, keepdim=True) / (r * r).sum(-1, keepdim=True) * r
+        v = up / torch.sqrt(up.square().mean(-1, keepdim=True) + EPS)
+        p = r + a * v
+        r = p / p.square().mean(-1, keepdim=True).sqrt()
+        s = s + 0.5 * torch.log1p(a * a)
+    return reference_head(form, r, s, model.lm_head.weight, stream.g_dec)[..., :model.config.vocab_size]
+
+
+@pytest.mark.parametrize("form", ["cosine", "sqrt_d"])
+def test_nag_model_matches_reference(form):
+    """The whole residual=nag model against reference_logits, float64, with the backbone perturbed and
+    every NAG parameter off its init (alpha, the modulators' w, b, c, beta, g_enc, g_dec): the logits at
+    every position and every parameter's gradient, per element (rtol 1e-8, atol 1e-10), so a tangent,
+    a modulator or the log-norm's growth under a stop-gradient fails though its logits pass; the
+    hand-written backward of the update (kernels.nag_update) is checked on the way. W_U's rows are
+    large (RMS ~1000), which leaves the head's RMS epsilon (1e-6) below 1e-12 of the cosine. The same
+    reference without the modulators is far off: the update's gate shows in the logits."""
+    torch.manual_seed(0)
+    model = GPT(tiny(n_layer=3, nag_head=form)).double().eval()
+    g = torch.Generator().manual_seed(1)
+
+    def noise(p, std):
+        return std * torch.randn(p.shape, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        stream = model.stream
+        stream.alpha.mul_(0.5 + torch.rand(stream.alpha.shape, generator=g, dtype=torch.float64))
+        for mod in stream.modulators:
+            mod.proj.weight.copy_(noise(mod.proj.weight, 16 ** -0.5))  # sigmoids that vary from token to token
+            mod.proj.bias.copy_(noise(mod.proj.bias, 1.0))
+            mod.mix.copy_(noise(mod.mix, 1.0))
+            mod.beta_raw.add_(noise(mod.beta_raw, 0.5))
+        stream.g_enc.fill_(0.2)
+        stream.g_dec.fill_(-0.3 if form == "sqrt_d" else 0.0)  # cosine: a buffer, 0 (the reference has none)
+        model.lm_head.weight.copy_(100.0 + noise(model.lm_head.weight, 1000.0))  # off-centre rows
+    perturb_backbone(model, seed=2)  # blocks that move the stream, so a wrong update shows
+    assert model.stream.alpha_scale.item() == 1.0  # no warm-up
+    idx = torch.randint(0, 65, (2, 8), generator=g)
+    logits = model(idx, idx)[0]
+    reference = reference_logits(model, idx, form)
+    torch.testing.assert_close(logits, reference, rtol=1e-10, atol=1e-10)
+    with torch.no_grad():
+        assert (logits - reference_logits(model, idx, form, modulated=False)).abs().max() > 1e-2
+    assert_same_gradients(model, logits, reference)
 
 
 @pytest.mark.parametrize("floor, finite", [(1e-6, True), (0.0, False)])

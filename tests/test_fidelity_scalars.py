@@ -9,7 +9,7 @@ head; its lambdas are random, written into model.py's by name."""
 import pytest
 import torch
 
-from fidelity import assert_same_gradients, perturb_backbone
+from fidelity import assert_same_gradients, elementwise_per_token, perturb_backbone
 from model import GPT, GPTConfig
 
 EPS = 1e-6
@@ -85,28 +85,12 @@ def test_the_declared_flops_are_the_scaling_each_block_computes():
     their sum: 3 per element of the stream), counted with a dispatch mode as the per-block increment (L = 3 less
     L = 2, which cancels the x0 norm and the head) over prenorm's. A declared 2d per block is d off per block."""
     import flops
-    from torch.utils._python_dispatch import TorchDispatchMode
-    aten = torch.ops.aten
-    elementwise = {aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.rsub.Scalar, aten.mul.Scalar}
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func in elementwise and torch.is_tensor(out):
-                Count.n += out.numel()
-            return out
-
     B, T, counts = 2, 8, {}
     for residual in ("prenorm", "scalars"):
         for L in (2, 3):
             torch.manual_seed(0)
             model = GPT(GPTConfig(block_size=T, vocab_size=65, n_layer=L, n_head=2, n_embd=16, residual=residual))
-            Count.n = 0
-            with torch.no_grad(), Count():
-                model(torch.randint(0, 65, (B, T)))
-            counts[residual, L] = Count.n / (B * T)
+            counts[residual, L] = elementwise_per_token(model, B, T)
     per_block = (counts["scalars", 3] - counts["scalars", 2]) - (counts["prenorm", 3] - counts["prenorm", 2])
     declared = [flops.forward_flops(GPTConfig(block_size=T, vocab_size=65, n_layer=L, n_head=2, n_embd=16,
                                               residual="scalars"))["scalars"] for L in (2, 3)]

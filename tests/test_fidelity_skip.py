@@ -8,11 +8,18 @@ gate i), the sparsity loss (a mean over all L layers of coef * mean(g) and coef 
 per micro-batch), the gate statistics the controller sees (per micro-batch means of g and g^2,
 averaged over the step's micro-batches and ranks; var = E[g^2] - E[g]^2) and the proportional
 controller (coef += 1e-3 (value - target) where |value - target| > 0.01; mean targets linspace(1, end)
-mirrored, variance targets t(1 - t)). And each switch: skip_middle_gate_axis (query: the published
-code's bias, which softmax cancels), the producers' exemption from weight decay."""
+mirrored, variance targets t(1 - t)). The whole gated model too, from the paper's description (the
+default key axis): the gated sandwich block x + g PostNorm(f(PreNorm(x))) for each sublayer, its
+attention among the tokens with g > 0 with log g of each key added to the scores; its logits and
+every parameter's gradient (the producers' through the gates) against the model's, backbone perturbed.
+And each switch: skip_middle_gate_axis (query: the published code's bias, which softmax cancels), the
+producers' exemption from weight decay."""
+import math
+
 import pytest
 import torch
 
+from fidelity import assert_same_gradients, perturb_backbone
 from model import GPT, CausalSelfAttention, GPTConfig, SkipMiddle, rope_table
 from model import Visibility  # noqa: E402
 
@@ -89,23 +96,85 @@ def mirror(half):
     return torch.cat([half, half.flip(0)])
 
 
+def rms(x, weight, eps=1e-6):
+    return x / torch.sqrt(x.square().mean(-1, keepdim=True) + eps) * weight
+
+
+def gated_attention(attn, x, pos, log_g, table):
+    """Causal self-attention of the tokens x [k, C] that sit at positions pos [k] (RoPE: consecutive
+    feature pairs turned by the cos and sin of model.py's table rows), log_g [k] added to the scores of
+    each key."""
+    k = x.size(0)
+    q, key, v = (x @ attn.c_attn.weight.T).view(k, 3, H, C // H).unbind(1)
+    cos, sin = table[pos][:, None, :, 0].to(F64), table[pos][:, None, :, 1].to(F64)
+
+    def rope(t):
+        a, b = t[..., 0::2], t[..., 1::2]
+        return torch.stack((a * cos - b * sin, a * sin + b * cos), -1).flatten(-2)
+    scores = torch.einsum("qhd,khd->hqk", rope(q), rope(key)) / math.sqrt(C // H) + log_g
+    scores = scores.masked_fill(~torch.ones(k, k, dtype=torch.bool).tril(), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(k, C) @ attn.c_proj.weight.T
+
+
+def reference_logits(model, idx, record=None):
+    """The gated sandwich model (key axis): x_0 = N(e); block i < L/2 produces s_i = <w_i, x> + b_i from
+    the stream entering it, the gates come from reference_gates, block L-1-i takes gate i; each sublayer
+    of a block, on the tokens with g > 0 only: x += g PostNorm(f(PreNorm(x))), attention among those
+    tokens with log g of each key added to its scores. Tokens with g = 0 keep x. It reads the model's
+    parameters, so its logits carry their gradients. record: a list that gets the L gates [B, T]."""
+    stream, mod = model.stream, model.mod
+    x = rms(model.wte.weight[idx], stream.norm_embed.weight)
+    produced = []
+    for b in range(L):
+        if b < L // 2:
+            p = mod.producers[b]
+            produced.append(x @ p.weight.T + p.bias)
+        g = reference_gates(produced)[b]  # b < L/2: gate b from producers 0..b; then the mirror's
+        rows = []
+        for row in range(idx.size(0)):
+            xr, kept = x[row], (g[row] > 0).nonzero().squeeze(-1)
+            gk = g[row][kept]
+            for l in (2 * b, 2 * b + 1):
+                h = rms(xr[kept], stream.norms[l].weight)
+                if l % 2 == 0:
+                    f = gated_attention(model.sublayers[l], h, kept, gk.log(), model.rope)
+                else:
+                    f = model.sublayers[l](h)
+                xr = xr.index_copy(0, kept, xr[kept] + gk[:, None] * rms(f, stream.post_norms[l].weight))
+            rows.append(xr)
+        x = torch.stack(rows)
+    if record is not None:
+        record.extend(reference_gates(produced))
+    return (rms(x, stream.norm_f.weight) @ model.lm_head.weight.T)[..., :V]
+
+
 # -----------------------------------------------------------------------------
 
 def test_sparsity_loss_is_the_references_mean_over_all_layers():
-    """The penalty is a mean over all L layers (mirrors included), not a sum over the L/2 producers."""
+    """The penalty is a mean over all L layers (mirrors included), not a sum over the L/2 producers;
+    backbone perturbed. Its gradient too, for every parameter (the producers', and the blocks' and
+    norms' upstream of them), against the penalty of the gates that reference_logits computes from the
+    model's parameters: a gate or the running gate sum under a stop-gradient fails here."""
     model = model_fp64().train()
+    perturb_backbone(model, seed=2)
     produced = record_producers(model)
     idx = batches(1)[0]
-    with torch.no_grad():
-        _, loss0 = model(idx, idx)
-        model.mod.lam.copy_(torch.tensor([0.7, -1.3, 2.1]))
-        model.mod.mu.copy_(torch.tensor([-0.4, 1.9, 0.8]))
-        _, loss1 = model(idx, idx)
+    _, loss0 = model(idx, idx)
+    # new buffers, not copy_: loss0's graph keeps the zeros it was computed with
+    model.mod.lam = torch.tensor([0.7, -1.3, 2.1], dtype=F64)
+    model.mod.mu = torch.tensor([-0.4, 1.9, 0.8], dtype=F64)
+    _, loss1 = model(idx, idx)
     gates = reference_gates(produced[:L // 2])
     assert (gates == 0).any() and (gates == 1).any() and ((gates > 0) & (gates < 1)).any()
     torch.testing.assert_close(reference_gates(produced[L // 2:]), gates)  # the same forward twice
     expected = reference_loss(gates, mirror(model.mod.lam), mirror(model.mod.mu))
     torch.testing.assert_close(loss1 - loss0, expected, rtol=1e-9, atol=1e-12)
+    own = []  # the gates again, now functions of the parameters
+    reference_logits(model, idx, record=own)
+    own = torch.stack(own)
+    torch.testing.assert_close(own, gates, rtol=1e-12, atol=0)
+    # the difference of the two losses is the penalty alone: the LM loss's gradients cancel exactly
+    assert_same_gradients(model, loss1 - loss0, reference_loss(own, mirror(model.mod.lam), mirror(model.mod.mu)))
 
 
 def test_each_block_is_gated_by_its_own_or_its_mirrors_gate(monkeypatch):
@@ -132,6 +201,31 @@ def test_each_block_is_gated_by_its_own_or_its_mirrors_gate(monkeypatch):
     for l in range(2 * L):
         torch.testing.assert_close(used[l], gates[l // 2], rtol=1e-12, atol=0, msg=f"sublayer {l}")
         assert torch.equal(used[l, "ran"], gates[l // 2] > 0), l
+
+
+def test_gated_model_matches_the_reference_with_its_gradients():
+    """The whole gated model (key axis, g = 0 tokens gathered out, rows padded to the longest) against
+    reference_logits, float64, with the backbone perturbed and every norm weight off 1: the gates are 0,
+    in (0, 1) and 1 (a gate in the write and in the scores shows), the logits equal the reference's, and
+    so does every parameter's gradient, per element: the producers' through the gates (the write's g
+    and the keys' log g), the blocks' and the norms'. A gate, a producer's input or the running gate
+    sum under a stop-gradient passes the logits and fails here."""
+    model = model_fp64().eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.stream.parameters():  # the pre-, post-, embedding and final norms' weights
+            p.add_(0.2 * torch.randn(p.shape, generator=g, dtype=F64))
+    perturb_backbone(model, seed=2)  # blocks that move the stream, so a wrong gate shows
+    idx = batches(1, seed=4)[0]
+    logits, _ = model(idx, idx)
+    gates = []
+    reference = reference_logits(model, idx, record=gates)
+    gates = torch.stack(gates)
+    assert (gates == 0).any() and (gates == 1).any() and ((gates > 0) & (gates < 1)).sum() >= 10
+    assert gates[gates > 0].min() > 1e-3  # the model's log-gate floor (1e-6) never binds
+    assert 0 < min(model.executed_fraction()) < max(model.executed_fraction()) < 1  # gathered, padded rows
+    torch.testing.assert_close(logits, reference, rtol=1e-10, atol=1e-10)
+    assert_same_gradients(model, logits, reference)
 
 
 def test_controller_matches_the_reference_over_steps():

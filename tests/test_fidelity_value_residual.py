@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fidelity import assert_same_gradients, perturb_backbone
+from fidelity import assert_same_gradients, elementwise_per_token, perturb_backbone
 from model import GPT, GPTConfig
 
 EPS = 1e-6
@@ -107,28 +107,11 @@ def test_the_declared_flops_are_the_mix_the_attentions_compute():
     and an add per value element, in every attention sublayer but the first, which only hands v_1 on): counted
     with a dispatch mode as the difference to value_residual=none. Counting the first attention too is 3d off."""
     import flops
-    from torch.utils._python_dispatch import TorchDispatchMode
-    aten = torch.ops.aten
-    elementwise = {aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.rsub.Scalar, aten.mul.Scalar}
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func in elementwise and torch.is_tensor(out):
-                Count.n += out.numel()
-            return out
-
     B, T, counts = 2, 8, {}
     for mode in ("none", "half"):
         config = GPTConfig(block_size=T, vocab_size=65, n_layer=3, n_head=2, n_embd=16, value_residual=mode)
         torch.manual_seed(0)
-        model = GPT(config)
-        Count.n = 0
-        with torch.no_grad(), Count():
-            model(torch.randint(0, 65, (B, T)))
-        counts[mode] = Count.n / (B * T)
+        counts[mode] = elementwise_per_token(GPT(config), B, T)
     config = GPTConfig(block_size=T, vocab_size=65, n_layer=3, n_head=2, n_embd=16, value_residual="half")
     declared = flops.forward_flops(config)["value_residual"]
     assert counts["half"] - counts["none"] == declared == 3 * 16 * 2  # two attentions after the first

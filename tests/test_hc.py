@@ -7,7 +7,10 @@ mhc's folded RMSNorm, sigmoids and Sinkhorn), its own read and write (X'_j = sum
 B[j] f, written out stream by stream) and its own head. It borrows only the backbone (the attention
 and MLP sublayers, the embedding table, the LM head) and reads every parameter by name. In float64,
 with every weight moved off its init (the mixing parameters start at special values: one-hots,
-identities, zeros), so a wrong orientation, a missing term or a wrong scale cannot pass by accident.
+identities, zeros; the backbone's matrices get std 1/sqrt(fan_in), so its blocks move the streams),
+so a wrong orientation, a missing term or a wrong scale cannot pass by accident; and every parameter's
+gradient is compared with the reference's (tests/fidelity.py), kernels.py's hand-written backwards
+included, so a coefficient or stream under a stop-gradient cannot pass either.
 
 Then: Sinkhorn's output is doubly stochastic (fp32, also under bf16 autocast); hc and mhc equal
 prenorm at init; weight decay groups; training starts stable and the streams diverge while mhc's
@@ -26,6 +29,7 @@ if __name__ == "__main__":  # run as a script: the repo on sys.path, as conftest
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import model as model_module  # noqa: E402
+from fidelity import assert_same_gradients  # noqa: E402
 from model import GPT, GPTConfig, RMSNorm  # noqa: E402
 
 EPS = 1e-6  # the model's RMSNorm epsilon; mHC's pre_eps, rstd eps and Sinkhorn eps (the official code's)
@@ -87,7 +91,8 @@ def rms_norm(x, weight, eps=EPS):
 
 def ref_sinkhorn(logits, repeat, eps=EPS, rows=True):
     """The official Sinkhorn: softmax over the last axis + eps; divide by the column sums (+ eps); then
-    (repeat - 1) times: divide by the row sums (+ eps), then by the column sums (+ eps).
+    (repeat - 1) times: divide by the row sums (+ eps), then by the column sums (+ eps). Plain autograd
+    ops, out of place: differentiable, so the gradient through all the iterations is the reference's.
     rows=False: a broken one without the row step (for showing that a bound can fail)."""
     z = torch.exp(logits - logits.amax(-1, keepdim=True))
     z = z / z.sum(-1, keepdim=True) + eps
@@ -182,18 +187,19 @@ CASES = {  # name: (config options, reference mode, reference post_mult, referen
 
 
 def conformance(case, seed=0):
-    """(max |model logits - reference logits|, the same against the transposed-write reference)."""
+    """(max |model logits - reference logits|, the same against the transposed-write reference, and
+    (model, logits, reference logits) with their autograd graphs, for the gradients' comparison)."""
     options, mode, post_mult, repeat = CASES[case]
     torch.manual_seed(seed)
     model = randomise(GPT(tiny(**options)).double().eval(), seed=seed + 1)
     idx = batch()
+    logits, _ = model(idx, idx)
+    kw = dict(post_mult=post_mult, repeat=repeat) if mode == "mhc" else {}
+    ref = reference_logits(model, idx, mode, **kw)
     with torch.no_grad():
-        logits, _ = model(idx, idx)
-        kw = dict(post_mult=post_mult, repeat=repeat) if mode == "mhc" else {}
-        ref = reference_logits(model, idx, mode, **kw)
         wrong = reference_logits(model, idx, mode, transposed_write=True, **kw)
     assert logits.dtype == ref.dtype == torch.float64
-    return (logits - ref).abs().max().item(), (logits - wrong).abs().max().item()
+    return (logits - ref).abs().max().item(), (logits - wrong).abs().max().item(), (model, logits, ref)
 
 
 # -----------------------------------------------------------------------------
@@ -202,15 +208,20 @@ def conformance(case, seed=0):
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_equal_the_reference(case):
     """hc static, hc dynamic, mhc with the defaults (post_mult 2, 20 Sinkhorn iterations: the paper)
-    and with the official code's switches (1.0, 10): max |logit difference| <= 1e-9 in float64, on a
-    model whose every weight is random. The same reference with the write's orientation transposed
-    is far off (> 1e-2): the comparison has the power to catch it."""
+    and with the official code's switches (1.0, 10), mhc-lite: max |logit difference| <= 1e-9 in
+    float64, on a model whose every weight is random (the backbone's included). The same reference with
+    the write's orientation transposed is far off (> 1e-2): the comparison has the power to catch it.
+    And every parameter's gradient equals the reference's, per element (rtol 1e-8, atol 1e-10; measured
+    at most 2e-3 of that bound): through the model's fused read, Sinkhorn and write with their own
+    backwards, against autograd through the reference's (all 20 or 10 Sinkhorn iterations), so a mix
+    coefficient, a stream or a Sinkhorn step under a stop-gradient fails, though its logits pass."""
     if case == "mhc_paper":
         assert (GPTConfig.mhc_post_mult, GPTConfig.mhc_sinkhorn_repeat) == (2.0, 20)
-    diff, wrong = conformance(case)
+    diff, wrong, (model, logits, ref) = conformance(case)
     print(f"{case}: max |logits - reference| = {diff:.3e} (transposed write: {wrong:.3e})")
     assert diff <= CONFORMANCE_TOL
     assert wrong > 1e-2
+    assert_same_gradients(model, logits, ref)
 
 
 # -----------------------------------------------------------------------------
@@ -573,7 +584,7 @@ def test_bf16_autocast(options, monkeypatch):
 if __name__ == "__main__":
     torch.set_num_threads(1)
     for case in CASES:
-        diff, wrong = conformance(case)
+        diff, wrong, _ = conformance(case)
         print(f"conformance {case:13s} max |logits - reference| = {diff:.3e}   (transposed write: {wrong:.3e})")
     mp = pytest.MonkeyPatch()
     try:
