@@ -420,6 +420,10 @@ def cell_lines(cell, r):
     else:
         agree = ("-" if fitted is None else "disagrees with the measured figure by more than its interval"
                  if ci and abs(fitted - m) > (ci[1] - ci[0]) / 2 else "agrees")
+        lost = sum(d is None for d in r["draws"])
+        if lost:  # draws whose baseline means did not fall with compute: the interval is of the others
+            agree = ("" if agree == "-" else agree + "; ") + f"{lost} of {len(r['draws'])} draws had no baseline " \
+                "curve, left out of the interval"
         lines.append(f"| {cell} | {base} | overall ({len(r['inside'])} in-range budget"
                      f"{'s' if len(r['inside']) > 1 else ''}) | {fmt(m)} | {fci(ci)} | "
                      f"{fmt(fitted) if fitted is not None else note or '-'} | {agree} |")

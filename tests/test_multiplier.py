@@ -440,3 +440,24 @@ def test_the_joint_fit_shares_e_and_ties_a_short_cells_exponent():
     assert params["prenorm"][2] == pytest.approx(0.3, abs=1e-3) and params["steep"][2] == pytest.approx(0.4, abs=1e-3)
     assert params["short"][2] == params["prenorm"][2]
     assert params["short"][1] == pytest.approx(params["prenorm"][1] * 2 ** -0.3, rel=1e-3)  # the 2x shift in A
+
+
+def test_draws_without_a_baseline_curve_are_counted(tmp_path):
+    """Two baseline budgets whose means lie close against the seeds' noise: some draws' means do not fall with
+    compute, have no curve, and are left out of the interval; the overall row says how many, the count of
+    bootstrap_draws' baseline resamples without a curve."""
+    cells = {"prenorm": {"loss": lambda c: 3.0 - 0.01 * math.log2(c / 1e12), "noise": 0.02},
+             "nag": {"loss": lambda c: 2.995, "budgets": [1.5e12], "noise": 0.0}}
+    path = write_csv(tmp_path / "r.csv", [1e12, 2e12], cells, seeds=(1, 2, 3, 4, 5), seed=6)
+    overall = rows_of(flops.multiplier([str(path), "--boot=200"]), "nag")["overall"]
+    shown = re.fullmatch(r"(\d+) of 200 draws had no baseline curve, left out of the interval", overall[6])
+    rows = flops.read_results(str(path))
+    base, cell = ({b: g for b, g in mult.budget_groups([r for r in rows if r["cell"] == c]).items()}
+                  for c in ("prenorm", "nag"))
+    lost = 0
+    for b_draw, _ in mult.bootstrap_draws(base, cell, 200, 0, ("prenorm", "nag")):
+        try:
+            mult.measured_curve(b_draw)
+        except mult.Degenerate:
+            lost += 1
+    assert shown and int(shown.group(1)) == lost and 10 <= lost <= 100
