@@ -53,6 +53,7 @@ import torch
 from configurator import ConfigError, configure
 import run_config
 from model import GPT, MODS, RESIDUALS
+from plan import iterations_for_budget
 
 BACKBONE_MATMULS = ("attn_proj", "attn_scores", "mlp", "head")  # matmuls as FlopCounterMode sees them
 
@@ -128,13 +129,6 @@ def count_params(config):
             model = GPT(config)
         PARAMS[repr(config)] = model.get_num_params(non_embedding=False), model.get_num_params()
     return PARAMS[repr(config)]
-
-
-def iterations_for_budget(budget, flops_per_token, tokens_per_iter):
-    """Iterations whose training FLOPs come nearest to the budget (so within half an iteration)."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
-        raise ConfigError(f"a FLOP budget must be a positive number such as 3e15, got {budget!r}")
-    return max(1, round(budget / (flops_per_token * tokens_per_iter)))
 
 
 # -----------------------------------------------------------------------------

@@ -13,6 +13,8 @@ names the fix, and no good checkpoint is ever overwritten or left half-written.
   (resume_command); a second signal (one process) exits at once, writing nothing
 - bad steps: the steps count non-finite steps on the device (train.StepStats); at a read, check_bad_steps
   reports them and stops the run after max_bad_steps in a row (TrainingStopped)
+- run keeping (RunKeeper): which checkpoint is on disk, and what the run says when it stops (a signal, a
+  second signal, a failed save), when it is slow on a CPU, and when it ends (the summary)
 - compile: ZeroGradientCheck warns, loudly, about parameters that a compiled step gives no gradient
 """
 
@@ -29,7 +31,7 @@ import time
 import torch
 
 from configurator import ConfigError, configure
-from run_config import DEFAULTS, MODEL_KEYS, RUN_KEYS
+from run_config import DEFAULTS, MODEL_KEYS, RUN_KEYS, format_duration
 
 GRAD_CHECK_STEPS = 5  # compile=True: the first log iteration this many steps into a run checks for zero gradients
 RUN_FILES = ("ckpt.pt", "ckpt_best.pt", "log.jsonl", "log.jsonl.torn", "config.json", "final_eval.json")  # what a run writes in out_dir
@@ -302,6 +304,110 @@ def resume_command(argv, out_dir, world):
     """The command line that continues this run: the same arguments, resuming from out_dir."""
     args = [a for a in argv if not a.startswith(("--init_from=", "--out_dir="))]
     return command_line(args + ["--init_from=resume", f"--out_dir={out_dir}"], world)
+
+
+# -----------------------------------------------------------------------------
+# run keeping: the checkpoint on disk, and what the run says when it stops, is slow, or ends
+
+SLOW_EVAL_S, SLOW_RUN_S = 300.0, 3600.0  # on the CPU, an eval or a run estimated longer than this is warned about
+CPU_CONFIG = "config/shakespeare_char_cpu.py"  # the quickstart: what the slow-run hint suggests on a CPU
+SLOW_HINT = (f"a configuration sized for a GPU? On a CPU: {CPU_CONFIG}, or lower --eval_iters, "
+             "--max_iters and the model (--n_layer, --n_embd). Ctrl-C stops the run with a checkpoint")
+LOADED_HINT = ("other work on the cores? (this run's configuration is already the CPU one) Or lower --eval_iters, "
+               "--max_iters and the model (--n_layer, --n_embd). Ctrl-C stops the run with a checkpoint")
+
+
+class RunKeeper:
+    """What rank 0 knows of the run's checkpoint, and the words the run ends with. saved: (iteration, val
+    loss) of the checkpoint in ckpt.pt (val loss None: not known here), None while out_dir has none."""
+
+    def __init__(self, cfg, argv, world):
+        self.cfg, self.argv, self.world = cfg, argv, world
+        self.ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
+        self.saved = None
+        self.warned_slow_eval = self.warned_slow_run = False
+
+    def resume(self):
+        return resume_command(self.argv, self.cfg["out_dir"], self.world)
+
+    def kept(self):
+        """'; ckpt.pt is as it was (iter N)', or '' when out_dir has no checkpoint."""
+        return f"; {self.ckpt_path} is as it was (iter {self.saved[0]})" if self.saved else ""
+
+    def abort_message(self):
+        """A second signal (one process): the run exits at once, writing nothing more."""
+        return (f"stopped at once by a second signal: no checkpoint written for this stop" + self.kept()
+                + (f". Resume with: {self.resume()}" if self.saved else ""))
+
+    def interrupted(self, signum, iter_num, eval_due):
+        """The message of a stop by signal (Interrupted), after its checkpoint (none with eval_only)."""
+        name = signal.Signals(signum).name
+        if self.cfg["eval_only"]:
+            return f"interrupted by {name}: eval_only, nothing written" + self.kept()
+        return (f"interrupted by {name} before iteration {iter_num}"
+                + (" (its eval broken off: the resume runs it first)" if eval_due else "")
+                + f"; checkpoint in {self.ckpt_path}. Resume with: {self.resume()}")
+
+    def save_failed(self, iter_num, e):
+        """A full disk, a folder gone: one line, the last checkpoint kept."""
+        resume = f"; free space and resume with: {self.resume()}" if self.saved else "; free space and start again"
+        return TrainingStopped(f"could not write the checkpoint of iter {iter_num} ({e.strerror or e})"
+                               f"{self.kept()}{resume}")
+
+    def slow_hint(self):
+        """What to do about a slow run: the CPU config, unless the command line already names it."""
+        named = any(os.path.normpath(a).endswith(os.path.normpath(CPU_CONFIG)) for a in self.argv)
+        return LOADED_HINT if named else SLOW_HINT
+
+    def warn_slow_eval(self, seconds, batches):
+        """On the CPU, once: an eval estimated at more than SLOW_EVAL_S."""
+        if seconds > SLOW_EVAL_S and not self.warned_slow_eval:
+            self.warned_slow_eval = True
+            print(f"WARNING: on the CPU each eval of this run takes about {format_duration(seconds)} ({batches} "
+                  f"batches of {self.cfg['batch_size']} x {self.cfg['block_size']} tokens); {self.slow_hint()}",
+                  file=sys.stderr, flush=True)
+
+    def warn_slow_run(self, left, dt, eval_s):
+        """On the CPU, at the first progress line with a pace (dt s/iter): a warning when the rest of the run
+        (left seconds, its evals eval_s each, None: not timed yet) takes longer than SLOW_RUN_S."""
+        self.warned_slow_run = True
+        if left > SLOW_RUN_S:
+            evals = f", evals about {format_duration(eval_s)} each" if eval_s is not None else ""
+            print(f"WARNING: on the CPU this run takes about {format_duration(left)} more at its first steps' pace "
+                  f"({dt * 1000:,.0f} ms/iter{evals}, to iter {self.cfg['max_iters']}); {self.slow_hint()}",
+                  file=sys.stderr, flush=True)
+
+    def summary(self, iter_num, start_iter, evals_run, seconds, last_losses, best_val):
+        """The end of the loop, on rank 0: a resume with nothing to do says the run is finished and how to
+        extend it; a run that trained or evaluated gives its losses (the last eval's, None: none ran),
+        iterations, time (seconds, evals included), checkpoint and the command that samples from it."""
+        cfg, last_val = self.cfg, last_losses["val"] if last_losses else None
+        out_dir = cfg["out_dir"]
+        sample = f"python sample.py --out_dir={shlex.quote(out_dir)}"
+        if iter_num == start_iter and not evals_run:
+            if cfg["max_flops"] is not None or cfg["max_seconds"] is not None:
+                budget = "max_flops" if cfg["max_flops"] is not None else "max_seconds"
+                how = (f"Its budget ({budget}={cfg[budget]:g}) is spent and a resume keeps it: train a larger one "
+                       f"in another --out_dir")
+            else:
+                more = 2 * max(iter_num, 1)
+                how = (f"To train on, resume with a larger --max_iters (and --lr_decay_iters for the LR to decay "
+                       f"over it), e.g. --max_iters={more} --lr_decay_iters={more}")
+            print(f"the run in {out_dir} is finished: it is at iter {iter_num}, max_iters={cfg['max_iters']}, "
+                  f"so there is nothing to train. {how}; --eval_only=True evaluates it; {sample} samples from it")
+            return
+        # the last "val loss" printed is the final eval's (bench.py's quickstart reads it)
+        print(f"done: iter {iter_num}/{cfg['max_iters']}"
+              + (f" (this process trained {iter_num - start_iter} from iter {start_iter})" if start_iter else "")
+              + f" in {format_duration(seconds)} (evals included)"
+              + (f"; val loss {last_val:.4f} at the end, best {best_val:.4f}" if last_val is not None else ""))
+        if self.saved is None:
+            print("no checkpoint written: iteration 0 (nothing trained) is not saved")
+            return
+        it, val = self.saved
+        what = "the best model" if not cfg["always_save_checkpoint"] else "the last model"
+        print(f"checkpoint: {self.ckpt_path} ({what}: iter {it}"
+              + (f", val {val:.4f})" if val is not None else ")") + f"; sample from it: {sample}")
 
 
 # -----------------------------------------------------------------------------

@@ -353,6 +353,16 @@ def load_codec(ckpt):
 MISSING = "–"  # in a table: a figure a run did not log, or a test with nothing to test
 
 
+def format_duration(seconds):
+    """45s, 3m12s, 2h05m."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
 def seed_run(cell, seed):
     """A sweep run's name: its cell and seed (flops.py sweep names its out_dirs so)."""
     return f"{cell}_s{seed}"

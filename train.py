@@ -18,11 +18,10 @@ prints the resume command; a second one exits at once (under DDP the ranks agree
 iterations, so the stop may come up to log_interval steps later).
 """
 
+
 import contextlib
 import json
-import math
 import os
-import shlex
 import signal
 import sys
 import time
@@ -35,137 +34,499 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import ConfigError, configure
-from flops import counted_dense, iterations_for_budget, mfu, train_flops_per_token
-from guards import (Interrupted, StopSignals, TrainingStopped, ZeroGradientCheck, check_bad_steps,
+from flops import counted_dense, mfu, train_flops_per_token
+from guards import (Interrupted, RunKeeper, StopSignals, TrainingStopped, ZeroGradientCheck, check_bad_steps,
                     check_resume_changes, check_writable, explicit_keys, keep_best_checkpoint, key_sources,
-                    repair_torn_log, resolve_model_args, restore_rng, resume_command, resumed_config, rng_state,
+                    repair_torn_log, resolve_model_args, restore_rng, resumed_config, rng_state,
                     set_aside_previous_run, write_run_record)
 from model import GPT
-from run_config import (DEFAULTS, EVAL_SEED, HELP_FROM, find_data, get_batch, load_checkpoint, model_config,
-                        muon_settings, pick_device, save_checkpoint)
+from plan import RunPlan
+from run_config import (DEFAULTS, EVAL_SEED, HELP_FROM, find_data, format_duration, get_batch, load_checkpoint,
+                        model_config, muon_settings, pick_device, save_checkpoint)
 
-WARMUP_CAP = 0.1  # with max_flops, warmup_iters is at most this fraction of the budget's iterations (rounded up)
 POSITIVE_KEYS = ("batch_size", "gradient_accumulation_steps", "eval_interval", "log_interval", "eval_iters")
 WANDB_NAMES = {"train_loss": "train/loss", "val_loss": "val/loss"}  # log.jsonl's names that wandb gets as nanoGPT's
 EARLY_STEPS = 5  # a process's first timed progress line comes at most this many steps after its first step
 EVAL_PROGRESS_S = 10.0  # an eval running longer prints its progress this often (seconds)
-SLOW_EVAL_S, SLOW_RUN_S = 300.0, 3600.0  # on the CPU, an eval or a run estimated longer than this is warned about
 FINAL_EVAL = "final_eval.json"  # in out_dir: the run's final eval (final_eval), what flops.py reads as its val loss
-CPU_CONFIG = "config/shakespeare_char_cpu.py"  # the quickstart: what the slow-run hint suggests on a CPU
-SLOW_HINT = (f"a configuration sized for a GPU? On a CPU: {CPU_CONFIG}, or lower --eval_iters, "
-             "--max_iters and the model (--n_layer, --n_embd). Ctrl-C stops the run with a checkpoint")
-LOADED_HINT = ("other work on the cores? (this run's configuration is already the CPU one) Or lower --eval_iters, "
-               "--max_iters and the model (--n_layer, --n_embd). Ctrl-C stops the run with a checkpoint")
 
 
 # -----------------------------------------------------------------------------
-# the configuration: checked before anything touches out_dir (out_dir itself, resume: guards.py)
+# the run: the loop first, then what it calls
 
-def check_run_config(cfg):
-    """train.py's own keys, before anything else happens: one-line errors that name the fix."""
-    if cfg["init_from"] not in ("scratch", "resume"):
-        if str(cfg["init_from"]).startswith("gpt2"):  # nanoGPT's gpt2, gpt2-medium, gpt2-large, gpt2-xl
-            raise ConfigError("pretrained GPT-2 weights don't fit nanodepth's backbone (RoPE, RMSNorm, untied head); "
-                              "train from scratch (--init_from=scratch) or resume (--init_from=resume)")
-        raise ConfigError(f"init_from must be 'scratch' or 'resume', got {cfg['init_from']!r}")
-    for key in POSITIVE_KEYS:
-        if not isinstance(cfg[key], int) or cfg[key] <= 0:
-            raise ConfigError(f"{key} must be a whole number > 0, got {cfg[key]!r}")
-    if isinstance(cfg["final_eval_tokens"], bool) or not isinstance(cfg["final_eval_tokens"], int) \
-            or cfg["final_eval_tokens"] < 0:
-        raise ConfigError(f"final_eval_tokens must be a whole number >= 0 (0: no final eval), "
-                          f"got {cfg['final_eval_tokens']!r}")
-    if not isinstance(cfg["max_iters"], int) or cfg["max_iters"] < 0:
-        raise ConfigError(f"max_iters must be a whole number >= 0, got {cfg['max_iters']!r}")
-    if cfg["max_seconds"] is not None:
-        seconds = cfg["max_seconds"]
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
-            raise ConfigError(f"max_seconds must be a number of seconds > 0, got {cfg['max_seconds']!r}")
-    from run_config import check_training_values  # AdamW's and the schedule's numbers; warnings
-    check_training_values(cfg)
+class Trainer:
+    """One training run. __init__ sets it up (setup below): processes and device, the data and the model's
+    configuration (from the checkpoint on resume), the run's plan (plan.py: iterations, LR), the model and
+    optimizer, out_dir; every check comes before out_dir is touched, so a start that fails leaves it as it
+    was. loop() trains. The rest: evals (evaluate, final_eval), checkpoints (save), a stop by signal
+    (stop_if_signalled) and the progress line (after_step). The training step itself is train_step, below
+    the class; what keeps a run from being lost, and what it says when it stops, is guards.py's."""
 
+    def __init__(self, cfg, argv):
+        self.cfg, self.argv = cfg, argv
+        check_run_config(cfg)
+        self.ddp, self.rank, self.world, self.device, self.autocast = start_processes(cfg)
+        self.master = self.rank == 0
+        ckpt = self.find_inputs()
+        self.plan_run()
+        if self.master:
+            check_writable(cfg["out_dir"])
+        self.build_model(ckpt)
+        self.wandb_run = start_wandb(cfg) if cfg["wandb_log"] and self.master else None
+        self.open_out_dir()
 
-def check_nag_recipe(cfg):
-    """The nag_* keys of train.py: one-line errors that name the fix."""
-    for key in ("nag_gate_lr_scale", "nag_alpha_warmup_tokens"):
-        if isinstance(cfg[key], bool) or not isinstance(cfg[key], (int, float)) or not cfg[key] >= 0:
-            raise ConfigError(f"{key} must be a number >= 0, got {cfg[key]!r}")
-        if cfg[key] != DEFAULTS[key] and cfg["residual"] != "nag":
-            raise ConfigError(f"{key}={cfg[key]} only applies to residual=nag; remove it or set --residual=nag")
-    if cfg["nag_gate_decay"] and (cfg["residual"] != "nag" or cfg["nag_gate_lr_scale"] != 1.0):
-        raise ConfigError("nag_gate_decay=True applies to residual=nag with nag_gate_lr_scale=1 (the gate group "
-                          "has no decay); drop one of them")
+    def loop(self):
+        """The training loop: each iteration takes five steps, then iter_num moves on."""
+        cfg, plan = self.cfg, self.plan
+        self.start_clocks()
+        batches = train_batches(self.paths["train"], cfg["batch_size"], cfg["block_size"], cfg["seed"],
+                                self.iter_num, self.rank * self.accum, self.accum, self.device)
+        # restored when the loop ends (normally, by a signal or by NaNs)
+        self.stop = StopSignals(repeat_exits=not self.ddp, abort_message=self.keeper.abort_message).install()
+        while True:
+            # 1. the plan for this iteration: its LR (max_seconds first re-plans the run's length), nag's alpha
+            if cfg["max_seconds"] is not None:
+                plan.at_step(self.iter_num, *self.clock.pace(self.iter_num))
+            lr = plan.lr(self.iter_num)
+            set_lr(self.optimizer, lr)
+            if cfg["nag_alpha_warmup_tokens"]:  # on the device, no host read; evals see it too, as in the reference
+                self.raw_model.set_warmup(plan.alpha_scale(self.iter_num))
+            # 2. at an eval iteration, an eval, logged and checkpointed; at the run's end, the final eval. A
+            # resume does not repeat the eval its checkpoint was saved at, unless a stop broke that one off
+            is_eval = self.iter_num % cfg["eval_interval"] == 0 or self.iter_num == cfg["max_iters"]
+            evaluating = cfg["eval_only"] or self.eval_due or (
+                is_eval and (self.iter_num != self.clock.start_iter or self.clock.start_iter == 0))
+            if evaluating:
+                self.evaluate(lr)
+            final = self.iter_num >= cfg["max_iters"] and cfg["final_eval_tokens"] > 0 and not cfg["eval_only"]
+            if final and self.master and final_eval_due(self.cfg, self.iter_num):
+                self.final_eval()
+            # 3. a stop signal (one during an eval too) checkpoints and exits here; so does the run's end
+            self.stop_if_signalled(at_eval=evaluating or final)
+            if self.iter_num >= cfg["max_iters"] or cfg["eval_only"]:
+                break
+            # 4. one optimizer step: forward and backward over accum micro-batches, clip, step
+            if self.grad_check:
+                self.grad_check.arm(self.iter_num, cfg["log_interval"])
+            t_step = time.time()
+            loss = train_step(self.model, self.raw_model, self.optimizer, self.scaler, batches, self.stats,
+                              accum=self.accum, autocast=self.autocast, grad_clip=cfg["grad_clip"])
+            # 5. at a log iteration, the progress line
+            self.after_step(loss, t_step)
+            self.iter_num += 1
+        self.stop.restore()
+        if self.master and not cfg["eval_only"]:
+            self.keeper.summary(self.iter_num, self.clock.start_iter, self.clock.evals_run,
+                                time.time() - self.clock.t_loop, self.last_losses, self.best_val_loss)
+        self.leave_processes()  # after rank 0's last eval and checkpoint
 
+    def run(self):
+        """Train (loop); returns the best val loss. However the loop ends (max_iters, a signal, bad steps,
+        an error), the wandb run is finished, with the exit code the process gets, and its data is on disk
+        before run returns or raises."""
+        exit_code = 1
+        try:
+            self.loop()
+            exit_code = 0
+        except Interrupted as e:
+            exit_code = 128 + e.signum  # the exit code cli gives the process
+            raise
+        finally:
+            if self.wandb_run:
+                finish_wandb(self.wandb_run, exit_code)
+        return self.best_val_loss
 
-def start_wandb(cfg):
-    """The wandb run that each eval logs to (wandb is imported only here: wandb_log=True on rank 0)."""
-    try:
-        import wandb
-    except ImportError:
-        raise ConfigError("wandb_log=True needs wandb: pip install wandb (or drop --wandb_log)") from None
-    name = cfg["wandb_run_name"] or os.path.basename(os.path.abspath(cfg["out_dir"]))
-    try:
-        return wandb.init(project=cfg["wandb_project"], name=name, config=cfg)
-    except Exception as e:  # not logged in, no network, ...: the first line of wandb's message
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"wandb.init failed ({why}): run wandb login, set WANDB_MODE=offline "
-                          f"or drop --wandb_log") from None
+    # --- setup
 
+    def find_inputs(self):
+        """On resume the checkpoint first: what argv does not set comes from it (resumed_config: the dataset
+        too), its architecture wins (resolve_model_args). Then the data, and the model's configuration,
+        checked. Returns the checkpoint (None from scratch)."""
+        cfg = self.cfg
+        self.keeper = RunKeeper(cfg, self.argv, self.world)  # ckpt.pt's path; saved: set by restore and save
+        self.ckpt_path, self.log_path = self.keeper.ckpt_path, os.path.join(cfg["out_dir"], "log.jsonl")
+        ckpt, self.ckpt_cfg = None, None
+        if cfg["init_from"] == "resume":
+            ckpt = load_checkpoint(self.ckpt_path, self.device)
+            self.explicit, self.ckpt_cfg = explicit_keys(self.argv), ckpt["config"]
+            cfg.update(resumed_config(cfg, self.ckpt_cfg, self.explicit))
+            cfg.update(resolve_model_args(cfg, ckpt["model_args"], self.explicit))
+        self.paths, self.vocab_size = find_data(cfg, self.master)
+        if ckpt is not None and ckpt["model_args"]["vocab_size"] != self.vocab_size:
+            raise ConfigError(f"the checkpoint has vocab_size {ckpt['model_args']['vocab_size']} but dataset "
+                              f"{cfg['dataset']} has {self.vocab_size}; use the dataset it was trained on")
+        check_block_fits(cfg, self.paths)
+        self.gptconf = model_config(cfg, self.vocab_size)
+        check_nag_recipe(cfg)  # after the model keys: on resume, residual comes from the checkpoint
+        # the configuration is complete (on resume with the checkpoint's): the micro-steps per rank, the seed
+        if cfg["gradient_accumulation_steps"] % self.world != 0:
+            raise ConfigError(f"gradient_accumulation_steps ({cfg['gradient_accumulation_steps']}) must be "
+                              f"divisible by the number of processes ({self.world})")
+        self.accum = cfg["gradient_accumulation_steps"] // self.world  # micro-steps per rank
+        torch.manual_seed(cfg["seed"] + self.rank)  # dropout differs per rank; data order is set per batch
+        return ckpt
 
-def finish_wandb(run, exit_code):
-    """The end of the wandb run: its data on disk (offline: the .wandb file complete) when this returns.
-    run.finish() alone is not enough: it only asks wandb's service process to close the run (a message it
-    does not wait on), and until the service closes the run's .wandb file that file may hold its 7-byte
-    header and nothing else. wandb.teardown() waits until the service has closed every run and exited
-    (a later wandb.init starts a new one)."""
-    import wandb
-    run.finish(exit_code=exit_code)
-    wandb.teardown()
+    def plan_run(self):
+        """The run's plan (plan.py): max_iters and the LR schedule, from a budget when there is one; on
+        resume, the changes argv makes to the checkpoint's run, checked."""
+        cfg = self.cfg
+        self.micro_tokens = cfg["batch_size"] * cfg["block_size"]  # per rank and micro-step (block_size: resumed)
+        self.tokens_per_iter = self.accum * self.world * self.micro_tokens
+        self.flops_per_token = train_flops_per_token(self.gptconf)  # MoD at its capacity (counted_dense: dense)
+        dense = (" (MoD without a fixed capacity: counted dense, an upper bound; log.jsonl has the realised FLOPs)"
+                 if counted_dense(self.gptconf) else "")
+        self.plan = RunPlan(cfg, self.tokens_per_iter, self.flops_per_token, self.ckpt_cfg, self.ddp, dense,
+                            verbose=self.master)
+        self.changes = []  # on resume: the run settings this process changes (printed by restore)
+        if self.ckpt_cfg is not None:  # planned from the same inputs as the checkpoint's run: only argv differs
+            sources = {k: v for k, v in key_sources(self.argv).items() if k in self.explicit}
+            self.changes = check_resume_changes(cfg, self.ckpt_cfg, sources)
+        self.gpu_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None  # MFU
+
+    def build_model(self, ckpt):
+        """The model, its optimizer (AdamW, or Muon + AdamW) and the fp16 grad scaler, restored from ckpt when
+        resuming; then compiled and wrapped in DDP as configured. Prints the start-up line."""
+        cfg, device = self.cfg, self.device
+        self.raw_model = GPT(self.gptconf).to(device)
+        self.optimizer = self.raw_model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"],
+                                                             (cfg["beta1"], cfg["beta2"]), cfg["nag_gate_lr_scale"],
+                                                             cfg["nag_gate_decay"], muon_settings(cfg))
+        self.scaler = torch.amp.GradScaler(device.type, enabled=cfg["dtype"] == "float16")
+        self.iter_num, self.best_val_loss, self.flops_base, self.seconds = 0, float("inf"), 0.0, 0.0
+        self.eval_due = False  # the eval of iter_num was broken off by a stop: the resume runs it first
+        self.last_losses = None  # the last eval's losses
+        if ckpt is not None:
+            self.restore(ckpt)
+        self.model = self.raw_model
+        if cfg["compile"]:
+            if self.master:
+                print("compiling the model...")
+            self.model = torch.compile(self.model)
+        self.grad_check = ZeroGradientCheck(self.raw_model, self.optimizer, self.iter_num) if cfg["compile"] else None
+        self.eval_model = self.model  # evals run the module that trains (compiled or not), in eval mode, without DDP
+        if self.ddp:
+            self.model = wrap_ddp(self.model, device, self.raw_model.unused_parameters)
+        if self.master:
+            print_start(self.raw_model, self.optimizer, cfg, self.world, self.accum, self.tokens_per_iter)
+
+    def restore(self, ckpt):
+        """Resume: the weights, the optimizer (as it was saved), the grad scaler, the run so far (iteration,
+        best val loss, realised training FLOPs, training seconds: max_seconds goes on from them) and this
+        rank's RNG."""
+        self.raw_model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.scaler.load_state_dict(ckpt["scaler"])
+        self.iter_num, self.best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
+        self.flops_base, self.seconds = ckpt["flops"], ckpt["seconds"]
+        self.eval_due = ckpt.get("eval_due", False)  # a stop broke off the eval of iter_num: it runs first
+        self.keeper.saved = (self.iter_num, None)
+        restore_rng(ckpt["rng"], self.rank, self.world, self.device)
+        if self.master:
+            print(f"resuming from {self.ckpt_path} at iter {self.iter_num} (best val loss {self.best_val_loss:.4f})")
+            if self.changes:
+                print("this resume changes the run: " + ", ".join(
+                    f"{k} {old!r} -> {new!r} ({where or 'planned'})" for k, old, new, where in self.changes))
+                if self.iter_num < self.cfg["max_iters"]:
+                    print(self.plan.describe(self.iter_num, self.changes))
+
+    def open_out_dir(self):
+        """After every check (a failed start leaves out_dir as it was): from scratch, the files of an
+        earlier run in out_dir are moved, whole, into a folder of their own (never overwritten), and this
+        run's config.json is written."""
+        if self.cfg["init_from"] == "scratch" and self.master:
+            set_aside_previous_run(self.cfg["out_dir"])
+            write_run_record(self.cfg["out_dir"], self.cfg, self.argv, self.world)
+        elif self.master:  # a resume appends to the log: not onto a line cut mid-write
+            repair_torn_log(self.log_path)
+
+    def start_clocks(self):
+        """The loop's clock and step statistics, from this process's first iteration."""
+        self.clock = Clock(self.seconds, self.iter_num)
+        self.stats = StepStats(self.gptconf, self.micro_tokens, self.device)  # bad steps, MoD: read at log/eval
+        self.flops_last = self.flops_base  # the run's training FLOPs at the last eval
+        self.flops_mark = 0.0  # stats.flops (this rank's) at the last sync point: the progress line's MFU
+
+    # --- evaluation and log.jsonl
+
+    def evaluate(self, lr):
+        """An eval iteration (rank 0 evaluates; every rank joins the collectives): the losses and what
+        the run did since the last eval go to log.jsonl, and the checkpoint is saved. An eval that a stop
+        signal breaks off (estimate_loss) logs and saves nothing: eval_due, the stop's checkpoint has it
+        run first on resume."""
+        cfg, clock = self.cfg, self.clock
+        self.read_stats(self.iter_num - 1)  # waits for the steps still queued on the GPU: their time is training
+        clock.before_eval()
+        rngs, flops = self.all_rng_states(), self.flops_so_far()
+        self.eval_due = False  # on every rank (the loop's choice to evaluate must be theirs too)
+        if self.master:
+            t_eval = time.time()
+            losses = self.estimate_loss()
+            self.eval_due = losses is None
+            if losses is None:
+                print(f"eval at iter {self.iter_num}: stopped by {signal.Signals(self.stop.signum).name}; "
+                      f"a resume runs it first", flush=True)
+            else:
+                record = self.eval_record(losses, lr, flops)
+                print(f"step {self.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+                self.last_losses = losses
+                improved = losses["val"] < self.best_val_loss
+                self.best_val_loss = min(self.best_val_loss, losses["val"])
+                if self.iter_num > 0 and not cfg["eval_only"] and (improved or cfg["always_save_checkpoint"]):
+                    self.save(rngs, flops, clock.seconds, losses["val"])  # eval_only: the checkpoint it read stays
+                self.log_eval(record)  # after the save: a failed save leaves no eval the resume will not have
+                clock.eval_timed(time.time() - t_eval)
+        clock.after_eval()
+        self.flops_last, self.stats.exec_sum, self.stats.exec_n = flops, None, 0
+        self.flops_mark = self.stats.flops
+
+    def estimate_loss(self):
+        """The eval's losses per split (estimate_loss below); None when a stop signal broke it off."""
+        stop = getattr(self, "stop", None)
+        return estimate_loss(self.eval_model, self.paths, self.cfg, self.device, self.autocast,
+                             lambda: stop is not None and stop.signum, self.eval_progress)
+
+    def eval_progress(self, done, n, spent):
+        """A long eval's progress line (rank 0); the first one on the CPU that shows a slow eval warns."""
+        left = spent / done * (n - done)
+        print(f"eval at iter {self.iter_num}: {done}/{n} batches in {format_duration(spent)}, "
+              f"about {format_duration(left)} left (Ctrl-C stops it)", flush=True)
+        if self.device.type == "cpu":
+            self.keeper.warn_slow_eval(spent + left, n)
+
+    def eval_record(self, losses, lr, flops):
+        """log.jsonl's record of this eval: losses, speed and MFU since the last eval, the run's FLOPs,
+        MoD executed fractions, and the diagnostics (--diagnose)."""
+        cfg, stats, n = self.cfg, self.stats, self.clock.iters_since
+        ms = 1000 * self.clock.train_time / max(n, 1)
+        record = {"iter": self.iter_num, "tokens": self.iter_num * self.tokens_per_iter,
+                  "train_loss": round(losses["train"], 6), "val_loss": round(losses["val"], 6),
+                  "lr": lr, "ms_per_iter": round(ms, 2),
+                  "tokens_per_s": round(self.tokens_per_iter / (ms / 1000), 1) if n else None, "flops": flops}
+        # MFU from the FLOPs these iterations really did (MoD: their executed fractions)
+        recent = (flops - self.flops_last) / (n * self.tokens_per_iter) if n else self.flops_per_token
+        record["mfu"] = mfu(recent, record["tokens_per_s"], self.gpu_name, self.world)
+        if self.gptconf.mod != "none":
+            # the mean over the training micro-steps since the last eval (None: none yet), and eval
+            # routing (thresholds tau) on the last val batch
+            fracs = {"train": [x / stats.exec_n for x in stats.exec_sum] if stats.exec_n else None,
+                     "eval": self.raw_model.executed_fraction() if cfg["eval_iters"] else None}
+            for k, frac in fracs.items():
+                record[f"exec_{k}"] = None if frac is None else [round(x, 4) for x in frac]
+            print(f"step {self.iter_num}: executed fraction (mean over sublayers) " + ", ".join(
+                f"{k} {sum(frac) / len(frac):.3f}" for k, frac in fracs.items() if frac is not None))
+        if cfg["diagnose"]:
+            X, _ = get_batch(self.paths["val"], cfg["batch_size"], cfg["block_size"],
+                             torch.Generator().manual_seed(EVAL_SEED), self.device)
+            with self.autocast:
+                record["diagnostics"] = self.raw_model.diagnostics(X)
+        record["residual"] = cfg["residual"]  # plot.py's labels and tables
+        return record
+
+    def log_eval(self, record):
+        """An eval's record: a line of log.jsonl and, with wandb_log, to wandb."""
+        with open(self.log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb_run:  # the record's numbers (lists, None and the diagnostics stay in log.jsonl)
+            self.wandb_run.log({WANDB_NAMES.get(k, k): v for k, v in record.items()
+                                if isinstance(v, (int, float))}, step=self.iter_num)
+
+    def final_eval(self):
+        """The run's last eval (final_eval below), into out_dir's FINAL_EVAL; a stop signal breaks it off
+        (checked between batches): the resume runs it."""
+        done = final_eval(self.eval_model, self.paths["val"], self.cfg, self.device, self.autocast, self.iter_num,
+                          os.path.join(self.cfg["out_dir"], FINAL_EVAL), lambda: self.stop.signum, self.eval_progress)
+        if not done:
+            print(f"final eval at iter {self.iter_num}: stopped by {signal.Signals(self.stop.signum).name}; "
+                  "a resume runs it", flush=True)
+
+    # --- checkpoints, the device's counters, the process group
+
+    def save(self, rngs, flops, seconds, val_loss=None):
+        """ckpt.pt, atomically (a temp file renamed over it); eval_due: the eval of iter_num is still to run.
+        A save broken off (a second signal) removes its temp file: ckpt.pt stays as it was."""
+        try:
+            save_checkpoint({
+                "model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict(), "model_args": asdict(self.gptconf),
+                "iter_num": self.iter_num, "best_val_loss": self.best_val_loss, "config": self.cfg, "rng": rngs,
+                "flops": flops, "seconds": seconds, "eval_due": self.eval_due,
+            }, self.ckpt_path)
+        except BaseException as e:
+            with contextlib.suppress(OSError):
+                os.remove(self.ckpt_path + ".tmp")
+            if isinstance(e, OSError):  # a full disk, a folder gone: one line, the last checkpoint kept
+                raise self.keeper.save_failed(self.iter_num, e) from None
+            raise
+        self.keeper.saved = (self.iter_num, val_loss)
+        print(f"saved checkpoint to {self.ckpt_path}")
+
+    def all_rng_states(self):
+        """Every rank's RNG state (a collective under DDP), so that resume restores each one."""
+        return gather_objects(rng_state(self.device), self.ddp, self.world)
+
+    def flops_so_far(self):
+        """Training FLOPs of the run so far, counted from each micro-step's realised executed fractions
+        (a collective under DDP: the sum over ranks). After read_stats()."""
+        return self.flops_base + sum_over_ranks(self.stats.flops, self.ddp, self.device)
+
+    def read_stats(self, last_iter):
+        """A sync point (log and eval iterations, a checkpoint): read what the steps up to iteration
+        last_iter counted on the device; too many bad steps in a row stop the run (on every DDP rank at
+        once: their steps skip together), before any checkpoint is written."""
+        stopped = check_bad_steps(self.stats.read(), last_iter, self.cfg["max_bad_steps"], self.ckpt_path,
+                                  self.master)
+        if stopped:
+            self.stop.restore()
+            self.leave_processes(barrier=False)
+            raise stopped
+
+    def leave_processes(self, barrier=True):
+        """DDP: leave the process group (leave_process_group), the DDP wrapper let go of first."""
+        if self.ddp:
+            self.model = self.eval_model  # the module DDP wrapped: DDP and its reducer go
+            leave_process_group(barrier)
+
+    # --- a stop by signal, the progress line
+
+    def stop_if_signalled(self, at_eval=False):
+        """At a step boundary the state is exactly "before iteration iter_num", so a checkpoint now
+        resumes bit-for-bit (data and LR depend only on iter_num); an eval that the signal broke off is
+        marked due in it (eval_due). Under DDP every rank must stop at the same iteration: they agree on
+        it (a tiny all_reduce, read on the host) at log iterations and after an eval (at_eval: rank 0 may
+        have broken it off). eval_only writes nothing: the checkpoint it read stays as it was."""
+        cfg, signum = self.cfg, self.stop.signum
+        if self.ddp:
+            if at_eval or self.iter_num % cfg["log_interval"] == 0:
+                flag = torch.tensor([signum], device=self.device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                signum = int(flag.item())
+            else:
+                signum = 0
+        if not signum:
+            return
+        self.read_stats(self.iter_num - 1)
+        rngs, flops = self.all_rng_states(), self.flops_so_far()
+        if self.master and not cfg["eval_only"]:
+            if not cfg["always_save_checkpoint"]:  # the interrupt checkpoint is the resume point: ckpt.pt
+                keep_best_checkpoint(self.ckpt_path, cfg["out_dir"])
+            self.save(rngs, flops, self.clock.trained())
+        self.stop.restore()  # a repeated signal now ends the process as it would without train.py's handler
+        self.leave_processes()
+        message = self.keeper.interrupted(signum, self.iter_num, self.eval_due) if self.master else ""
+        raise Interrupted(message, signum)
+
+    def after_step(self, loss, t_step):
+        """Timing: the process's first step is timed alone (its warm-up, kernels compiling or with
+        compile=True the compilation, is not training time); at log iterations (a sync point: counters
+        and the loss come to the host) the progress line."""
+        cfg, clock = self.cfg, self.clock
+        if clock.first_step:
+            self.read_stats(self.iter_num)  # waits for the step
+            self.flops_last = self.flops_so_far()  # log.jsonl's MFU leaves it out too (a collective under DDP)
+            clock.warmed_up()
+            self.flops_mark = self.stats.flops
+            if self.master and cfg["compile"]:
+                print(f"first step {clock.t_last - t_step:.1f}s (compilation): kept out of ms/iter, tok/s and the ETA")
+        else:
+            clock.stepped()
+        # the progress line at log iterations; and, until a line has shown the pace, EARLY_STEPS steps into
+        # the process or at its last iteration, so that a run shorter than log_interval shows it too
+        early = not clock.pace_shown and clock.log_iters and (self.iter_num - clock.start_iter >= EARLY_STEPS
+                                                              or self.iter_num == cfg["max_iters"] - 1)
+        if self.iter_num % cfg["log_interval"] != 0 and not early:
+            return
+        self.read_stats(self.iter_num)
+        iters = clock.log_iters
+        dt = clock.lap()  # the mean seconds per iteration since the last sync point
+        # MFU from the FLOPs these iterations really did (MoD: their executed fractions)
+        utilisation = (mfu((self.stats.flops - self.flops_mark) / (iters * self.accum * self.micro_tokens),
+                           self.tokens_per_iter / dt, self.gpu_name, self.world) if dt else None)
+        self.flops_mark = self.stats.flops
+        if self.master:
+            eta = clock.eta(dt, self.plan, self.iter_num, self.accum)
+            print(log_line(self.iter_num, cfg["max_iters"], loss.item() * self.accum, dt, self.tokens_per_iter,
+                           utilisation, self.plan.lr(self.iter_num), eta))
+            if self.grad_check:
+                self.grad_check.warn(self.iter_num)
+            if dt and self.device.type == "cpu" and not self.keeper.warned_slow_run:
+                eval_s = clock.eval_s if clock.eval_s is not None else clock.first_eval_s
+                self.keeper.warn_slow_run(clock.eta(dt, self.plan, self.iter_num, self.accum, eval_s), dt, eval_s)
 
 
 # -----------------------------------------------------------------------------
-# training batches, the LR into the optimizer, DDP
+# the clock: training time, the pace, the ETA
 
-def batch_generator(seed, iter_num, micro):
-    """The training batch of (iteration, global micro-step) depends on nothing else, so a resumed run,
-    or a DDP run with the same global gradient accumulation, sees exactly the same data."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + iter_num) * 1_009 + micro)
+class Clock:
+    """The run's training seconds (the process's first step, its warm-up, and the evals are not training),
+    the pace since the last sync point (a log or eval iteration: the progress line's ms/iter), and the ETA."""
 
+    def __init__(self, seconds, iter_num):
+        self.seconds = seconds  # training seconds of the run (earlier processes' too) up to t_last
+        self.start_iter, self.start_seconds = iter_num, seconds  # max_seconds: the pace is this process's
+        self.train_time, self.iters_since = 0.0, 0  # training time and iterations since the last eval
+        self.t_last, self.log_iters = time.time(), 0  # the last sync point and the iterations since
+        # the last eval's time (and its checkpoint's), for the ETA's evals to come; None until an eval after the
+        # process's first (which warms up) is timed; the first's, for the slow-run warning
+        self.eval_s, self.first_eval_s, self.evals_run = None, None, 0
+        self.t_loop = time.time()  # the summary's time
+        self.first_step = True  # the first step warms up (compiles): timed alone, outside ms/iter and tok/s
+        self.pace_shown = False  # whether a progress line has shown ms/iter yet
 
-def train_batches(path, batch_size, block_size, seed, iter_num, first_micro, accum, device):
-    """This rank's training micro-batches from iteration iter_num on, in order, drawn one ahead: batch
-    i + 1 is loaded (on CUDA: its copy from pinned memory queued, non_blocking) before batch i is handed
-    out, so loading overlaps the GPU work of the step. Micro-step m of a rank is global micro-step
-    first_micro + m: the batches are batch_generator's, whatever the prefetch."""
-    def load(it, micro):
-        return get_batch(path, batch_size, block_size, batch_generator(seed, it, first_micro + micro), device)
-    ahead = load(iter_num, 0)
-    while True:
-        for micro in range(accum):
-            batch, ahead = ahead, load(*((iter_num, micro + 1) if micro + 1 < accum else (iter_num + 1, 0)))
-            yield batch
-        iter_num += 1
+    def trained(self):
+        """Training seconds of the run up to now: to the last sync point, then the time since."""
+        return self.seconds + time.time() - self.t_last
 
+    def pace(self, iter_num):
+        """For max_seconds, before iteration iter_num: (training seconds so far, this process's timed steps,
+        their seconds); the process's first step, its warm-up, is not timed."""
+        spent = self.trained()
+        return spent, iter_num - self.start_iter - 1, spent - self.start_seconds
 
-def set_lr(optimizer, lr):
-    """The scheduled LR into every parameter group, times the group's lr_scale (nag_gate_lr_scale's group)."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr * group.get("lr_scale", 1.0)
+    def warmed_up(self):
+        """After the process's first step: training time starts now."""
+        self.first_step = False
+        self.t_last = time.time()
 
+    def stepped(self):
+        self.iters_since += 1
+        self.log_iters += 1
 
-def alpha_warmup(iter_num, tokens_per_iter, warmup_tokens):
-    """nag_alpha_warmup_tokens (nag-nanochat's token-anchored warm-up): alpha's scale before iteration
-    iter_num, min(1, tokens trained / warmup_tokens): 0 at the first iteration, linear, then 1."""
-    return min(1.0, iter_num * tokens_per_iter / warmup_tokens) if warmup_tokens > 0 else 1.0
+    def lap(self):
+        """A log iteration: the mean seconds per iteration since the last sync point (None: none timed)."""
+        t_now = time.time()
+        dt = (t_now - self.t_last) / self.log_iters if self.log_iters else None
+        self.train_time, self.seconds = self.train_time + t_now - self.t_last, self.seconds + t_now - self.t_last
+        self.t_last, self.log_iters = t_now, 0
+        self.pace_shown = self.pace_shown or dt is not None
+        return dt
 
+    def before_eval(self):
+        """The steps since the last sync point are training time (their GPU work waited for: read_stats)."""
+        dt = time.time() - self.t_last if self.iters_since else 0.0
+        self.train_time, self.seconds = self.train_time + dt, self.seconds + dt
 
-def wrap_ddp(model, device, unused_parameters):
-    """DDP. Rope tables are buffers: no need to broadcast them, and evals run on rank 0 alone.
-    unused_parameters (GPT.unused_parameters): a step may leave some parameters without a gradient on
-    a rank (skip_middle, a middle block off for every token of the rank's batch), which DDP must be
-    told to expect."""
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
-               find_unused_parameters=unused_parameters)
+    def eval_timed(self, seconds):
+        """Rank 0's eval took seconds (the process's first also warms the eval path up: no measure of the next)."""
+        if self.evals_run:
+            self.eval_s = seconds
+        else:
+            self.first_eval_s = seconds
+        self.evals_run += 1
+
+    def after_eval(self):
+        self.train_time, self.iters_since = 0.0, 0
+        self.t_last, self.log_iters = time.time(), 0
+
+    def eta(self, dt, plan, iter_num, accum, eval_s=None):
+        """Seconds left after iteration iter_num at dt seconds per iteration (None: no step timed yet). The
+        evals left take eval_s each, by default as long as the last one; until one is timed, as long as a
+        third of 2 x eval_iters training micro-steps (an eval's forward passes; a micro-step is about 3 of them)."""
+        if not dt:
+            return None
+        cfg = plan.cfg
+        if eval_s is None:
+            eval_s = self.eval_s if self.eval_s is not None else dt / accum * 2 * cfg["eval_iters"] / 3
+        return (cfg["max_iters"] - iter_num - 1) * dt + plan.evals_left(iter_num) * eval_s
 
 
 # -----------------------------------------------------------------------------
@@ -257,17 +618,206 @@ def train_step(model, raw_model, optimizer, scaler, batches, stats, accum, autoc
 
 
 # -----------------------------------------------------------------------------
+# batches, the LR into the optimizer, DDP
+
+def batch_generator(seed, iter_num, micro):
+    """The training batch of (iteration, global micro-step) depends on nothing else, so a resumed run,
+    or a DDP run with the same global gradient accumulation, sees exactly the same data."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + iter_num) * 1_009 + micro)
+
+
+def train_batches(path, batch_size, block_size, seed, iter_num, first_micro, accum, device):
+    """This rank's training micro-batches from iteration iter_num on, in order, drawn one ahead: batch
+    i + 1 is loaded (on CUDA: its copy from pinned memory queued, non_blocking) before batch i is handed
+    out, so loading overlaps the GPU work of the step. Micro-step m of a rank is global micro-step
+    first_micro + m: the batches are batch_generator's, whatever the prefetch."""
+    def load(it, micro):
+        return get_batch(path, batch_size, block_size, batch_generator(seed, it, first_micro + micro), device)
+    ahead = load(iter_num, 0)
+    while True:
+        for micro in range(accum):
+            batch, ahead = ahead, load(*((iter_num, micro + 1) if micro + 1 < accum else (iter_num + 1, 0)))
+            yield batch
+        iter_num += 1
+
+
+def set_lr(optimizer, lr):
+    """The scheduled LR into every parameter group, times the group's lr_scale (nag_gate_lr_scale's group)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+
+
+# -----------------------------------------------------------------------------
+# processes: DDP from torchrun's environment
+
+def start_processes(cfg):
+    """DDP from torchrun's environment, the device and precision: (ddp, rank, world, device, autocast); cfg
+    gets the device and dtype picked."""
+    ddp = int(os.environ.get("RANK", -1)) != -1
+    rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
+    device, cfg["dtype"], autocast = pick_device(cfg["device"], cfg["dtype"])
+    if ddp:
+        if device.type == "cuda":
+            device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}")
+            torch.cuda.set_device(device)
+        # before the group exists: this module's functions take group=group.WORLD as a default argument,
+        # evaluated at import, and imported later (DDP imports torch._dynamo, which imports it) they would
+        # hold the group for good, so that leave_process_group could not shut it down
+        from torch.distributed.nn import functional  # noqa: F401
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    cfg["device"] = str(device)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return ddp, rank, world, device, autocast
+
+
+def print_start(model, optimizer, cfg, world, accum, tokens_per_iter):
+    """The start-up line: the model, the device, the batch; the optimizer under Muon; fp16 on a CPU warned."""
+    print(f"{model.describe()}, {model.get_num_params() / 1e6:.2f}M non-embedding params | "
+          f"{cfg['device']} {cfg['dtype']} | {world} process(es) x {accum} micro-steps x "
+          f"{cfg['batch_size']} x {cfg['block_size']} = {tokens_per_iter:,} tokens/iter")
+    if cfg["optimizer"] == "muon":
+        n = sum(p.numel() for p in optimizer.muon.param_groups[0]["params"])
+        print(f"optimizer: Muon (LR {cfg['muon_lr']:g}) on {n / 1e6:.2f}M params of hidden matrices, "
+              f"AdamW (LR {cfg['learning_rate']:g}) on the rest")
+    if cfg["device"] == "cpu" and cfg["dtype"] == "float16":
+        print("WARNING: float16 on the CPU has no fast kernels: it runs over 10x slower than float32 "
+              "(the quickstart: 12x to 16x); use --dtype=float32 (auto picks it on the CPU)",
+              file=sys.stderr, flush=True)
+
+
+def wrap_ddp(model, device, unused_parameters):
+    """DDP. Rope tables are buffers: no need to broadcast them, and evals run on rank 0 alone.
+    unused_parameters (GPT.unused_parameters): a step may leave some parameters without a gradient on
+    a rank (skip_middle, a middle block off for every token of the rank's batch), which DDP must be
+    told to expect."""
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
+               find_unused_parameters=unused_parameters)
+
+
+def gather_objects(obj, ddp, world):
+    """[obj of each rank] (a collective under DDP)."""
+    if not ddp:
+        return [obj]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def sum_over_ranks(value, ddp, device):
+    """value summed over the ranks (a collective under DDP), in float64."""
+    if not ddp:
+        return value
+    total = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return total.item()
+
+
+def leave_process_group(barrier=True):
+    """Leave the process group, after a barrier where every rank gets there (a rank that leaves while rank
+    0 still evaluates or checkpoints can abort gloo's teardown), and shut it down here, once the caller has
+    let go of the DDP wrapper. destroy_process_group only unregisters the group: while anything else holds
+    it (the DDP wrapper's reducer does) it lives on, its gloo worker threads too, past the interpreter's
+    end. A worker hands a collective's result back before it lets go of the work; descheduled there on a
+    loaded machine until the interpreter finalizes, it then drops the last reference to a tensor that
+    Python let go of, which takes the GIL: a thread that waits for the GIL while the interpreter finalizes
+    is ended with pthread_exit, and the process aborts ("terminate called without an active exception").
+    With the wrapper gone (and torch.distributed.nn.functional imported before the group: start_processes)
+    destroy_process_group drops the last reference: the group is destroyed here, with the GIL released,
+    and its threads finish what they hold and are joined."""
+    if barrier:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+# -----------------------------------------------------------------------------
+# evals: the losses of each eval iteration, and the run's final eval
+
+@torch.no_grad()
+def estimate_loss(model, paths, cfg, device, autocast, stopped, progress):
+    """Mean loss on eval_iters fixed batches (seed EVAL_SEED) of each split, in eval mode; None when stopped()
+    (a stop signal): it is checked between batches, so an eval (an hour for a GPU-sized model on a CPU) never
+    holds a stop up by more than a batch. An eval running longer than EVAL_PROGRESS_S calls progress(done, n,
+    seconds) that often."""
+    n, done = 2 * cfg["eval_iters"], 0
+    t_start = t_shown = time.time()
+    model.eval()
+    out = {}
+    try:
+        for split in ("train", "val"):
+            g = torch.Generator().manual_seed(EVAL_SEED)
+            losses = torch.zeros(cfg["eval_iters"])
+            for k in range(cfg["eval_iters"]):
+                if stopped():
+                    return None
+                X, Y = get_batch(paths[split], cfg["batch_size"], cfg["block_size"], g, device)
+                with autocast:
+                    _, loss = model(X, Y)
+                losses[k] = loss.item()
+                done, now = done + 1, time.time()
+                if now - t_shown >= EVAL_PROGRESS_S and done < n:
+                    t_shown = now
+                    progress(done, n, now - t_start)
+            out[split] = losses.mean().item()
+    finally:
+        model.train()
+    return out
+
+
+def final_eval_due(cfg, iter_num):
+    """At the run's end: whether out_dir has no final eval (FINAL_EVAL) of iter_num and final_eval_tokens."""
+    try:
+        with open(os.path.join(cfg["out_dir"], FINAL_EVAL)) as f:
+            done = json.load(f)
+        return (done.get("iter"), done.get("final_eval_tokens")) != (iter_num, cfg["final_eval_tokens"])
+    except (OSError, ValueError, AttributeError):
+        return True
+
+
+@torch.no_grad()
+def final_eval(model, val_path, cfg, device, autocast, iter_num, path, stopped, progress):
+    """The run's last eval, on the val split's first final_eval_tokens tokens (all of a shorter split; at
+    least one window), in consecutive windows of block_size, batch_size at a time (whole batches: a compiled
+    model sees one shape): the same tokens for every run of a dataset and block_size, so that runs differ by
+    their models and not by the batches drawn. path (written atomically) gets the mean loss and its standard
+    error over the windows. Returns False when stopped() broke it off (checked between batches)."""
+    T = cfg["block_size"]
+    data = np.memmap(val_path, dtype=np.uint16, mode="r")
+    windows = max(min(cfg["final_eval_tokens"], len(data) - 1) // T, 1)
+    B = min(cfg["batch_size"], windows)
+    n, losses, t_start, t_shown = windows // B, [], time.time(), time.time()
+    model.eval()
+    try:
+        for k in range(n):
+            if stopped():
+                return False
+            rows = [data[i * T:(i + 1) * T + 1].astype(np.int64) for i in range(k * B, (k + 1) * B)]
+            xy = torch.from_numpy(np.stack(rows)).to(device)
+            with autocast:
+                logits, _ = model(xy[:, :-1], xy[:, 1:])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), xy[:, 1:].flatten(), reduction="none")
+            losses.append(loss.view(B, T).mean(1).cpu())
+            if time.time() - t_shown >= EVAL_PROGRESS_S and k + 1 < n:
+                t_shown = time.time()
+                progress(k + 1, n, t_shown - t_start)
+    finally:
+        model.train()
+    per_window = torch.cat(losses).double()
+    mean, se = per_window.mean().item(), (per_window.std().item() / len(per_window) ** 0.5 if n * B > 1 else 0.0)
+    record = {"iter": iter_num, "val_loss": round(mean, 6), "val_se": round(se, 6),
+              "tokens": n * B * T, "windows": n * B, "block_size": T, "dataset": cfg["dataset"],
+              "final_eval_tokens": cfg["final_eval_tokens"]}
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
+    print(f"final eval at iter {iter_num}: loss {mean:.4f} (standard error {se:.4f}) on the val split's "
+          f"first {n * B * T:,} tokens ({n * B} windows of {T}) in {format_duration(time.time() - t_start)}; "
+          f"{path}", flush=True)
+    return True
+
+
+# -----------------------------------------------------------------------------
 # the progress line
-
-def format_duration(seconds):
-    """45s, 3m12s, 2h05m."""
-    s = round(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
-
 
 def log_line(iter_num, max_iters, loss, dt, tokens_per_iter, utilisation, lr, eta):
     """'iter 40/5000: loss 2.1234, 31.20 ms/iter, 65,641 tok/s, mfu 41.2%, lr 6.00e-04, eta 2m35s'; dt (the
@@ -285,736 +835,77 @@ def log_line(iter_num, max_iters, loss, dt, tokens_per_iter, utilisation, lr, et
 
 
 # -----------------------------------------------------------------------------
-# the run: setup, the LR schedule, eval and checkpoint, the progress line, a stop by signal, the loop
+# the configuration: checked before anything touches out_dir (out_dir itself, resume: guards.py)
 
-class Trainer:
-    """One training run. Its loop (loop; run calls it, then finishes the wandb run) sets the LR (lr),
-    evaluates and checkpoints at eval iterations (evaluate), checkpoints and exits at a signal
-    (stop_if_signalled), takes a step (train_step) and prints the progress line (after_step). __init__
-    sets everything up: processes and device, the data and the model's configuration (from a checkpoint on
-    resume), the FLOP budget, the model and optimizer, out_dir. Every check comes before out_dir is touched:
-    a start that fails leaves it as it was. What keeps a run from being lost (resume checks, signals, bad
-    steps, checkpoints kept aside) is guards.py's."""
+def check_run_config(cfg):
+    """train.py's own keys, before anything else happens: one-line errors that name the fix."""
+    if cfg["init_from"] not in ("scratch", "resume"):
+        if str(cfg["init_from"]).startswith("gpt2"):  # nanoGPT's gpt2, gpt2-medium, gpt2-large, gpt2-xl
+            raise ConfigError("pretrained GPT-2 weights don't fit nanodepth's backbone (RoPE, RMSNorm, untied head); "
+                              "train from scratch (--init_from=scratch) or resume (--init_from=resume)")
+        raise ConfigError(f"init_from must be 'scratch' or 'resume', got {cfg['init_from']!r}")
+    for key in POSITIVE_KEYS:
+        if not isinstance(cfg[key], int) or cfg[key] <= 0:
+            raise ConfigError(f"{key} must be a whole number > 0, got {cfg[key]!r}")
+    if isinstance(cfg["final_eval_tokens"], bool) or not isinstance(cfg["final_eval_tokens"], int) \
+            or cfg["final_eval_tokens"] < 0:
+        raise ConfigError(f"final_eval_tokens must be a whole number >= 0 (0: no final eval), "
+                          f"got {cfg['final_eval_tokens']!r}")
+    if not isinstance(cfg["max_iters"], int) or cfg["max_iters"] < 0:
+        raise ConfigError(f"max_iters must be a whole number >= 0, got {cfg['max_iters']!r}")
+    if cfg["max_seconds"] is not None:
+        seconds = cfg["max_seconds"]
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+            raise ConfigError(f"max_seconds must be a number of seconds > 0, got {cfg['max_seconds']!r}")
+    from run_config import check_training_values  # AdamW's and the schedule's numbers; warnings
+    check_training_values(cfg)
 
-    def __init__(self, cfg, argv):
-        self.cfg, self.argv = cfg, argv
-        check_run_config(cfg)
-        self.setup_processes()
-        ckpt = self.find_inputs()
-        self.plan_iterations()
-        if self.master:
-            check_writable(cfg["out_dir"])
-        self.build_model(ckpt)
-        self.wandb_run = start_wandb(cfg) if cfg["wandb_log"] and self.master else None
-        self.open_out_dir()
 
-    def setup_processes(self):
-        """DDP from torchrun's environment, the device and precision (find_inputs seeds, once the
-        configuration is complete)."""
-        cfg = self.cfg
-        self.ddp = int(os.environ.get("RANK", -1)) != -1
-        self.rank, self.world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if self.ddp else (0, 1)
-        self.master = self.rank == 0
-        device, cfg["dtype"], self.autocast = pick_device(cfg["device"], cfg["dtype"])
-        if self.ddp:
-            if device.type == "cuda":
-                device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}")
-                torch.cuda.set_device(device)
-            # before the group exists: this module's functions take group=group.WORLD as a default argument,
-            # evaluated at import, and imported later (DDP imports torch._dynamo, which imports it) they would
-            # hold the group for good, so that leave_processes could not shut it down
-            from torch.distributed.nn import functional  # noqa: F401
-            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-        self.device, cfg["device"] = device, str(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+def check_block_fits(cfg, paths):
+    """A batch needs block_size + 1 consecutive tokens of each split."""
+    for split in ("train", "val"):
+        n_tokens = os.path.getsize(paths[split]) // 2
+        if cfg["block_size"] >= n_tokens:
+            raise ConfigError(f"block_size {cfg['block_size']} does not fit the {split} split of "
+                              f"{cfg['dataset']} ({n_tokens} tokens); lower --block_size")
 
-    def find_inputs(self):
-        """On resume the checkpoint first: what argv does not set comes from it (resumed_config: the dataset
-        too), its architecture wins (resolve_model_args). Then the data, and the model's configuration,
-        checked. Returns the checkpoint (None from scratch)."""
-        cfg = self.cfg
-        self.ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
-        self.log_path = os.path.join(cfg["out_dir"], "log.jsonl")
-        ckpt, self.ckpt_cfg = None, None
-        if cfg["init_from"] == "resume":
-            ckpt = load_checkpoint(self.ckpt_path, self.device)
-            self.explicit, self.ckpt_cfg = explicit_keys(self.argv), ckpt["config"]
-            cfg.update(resumed_config(cfg, self.ckpt_cfg, self.explicit))
-            cfg.update(resolve_model_args(cfg, ckpt["model_args"], self.explicit))
-        self.paths, self.vocab_size = find_data(cfg, self.master)
-        if ckpt is not None and ckpt["model_args"]["vocab_size"] != self.vocab_size:
-            raise ConfigError(f"the checkpoint has vocab_size {ckpt['model_args']['vocab_size']} but dataset "
-                              f"{cfg['dataset']} has {self.vocab_size}; use the dataset it was trained on")
-        for split in ("train", "val"):  # a batch needs block_size + 1 consecutive tokens
-            n_tokens = os.path.getsize(self.paths[split]) // 2
-            if cfg["block_size"] >= n_tokens:
-                raise ConfigError(f"block_size {cfg['block_size']} does not fit the {split} split of "
-                                  f"{cfg['dataset']} ({n_tokens} tokens); lower --block_size")
-        self.gptconf = model_config(cfg, self.vocab_size)
-        check_nag_recipe(cfg)  # after the model keys: on resume, residual comes from the checkpoint
-        # the configuration is complete (on resume with the checkpoint's): the micro-steps per rank, the seed
-        if cfg["gradient_accumulation_steps"] % self.world != 0:
-            raise ConfigError(f"gradient_accumulation_steps ({cfg['gradient_accumulation_steps']}) must be "
-                              f"divisible by the number of processes ({self.world})")
-        self.accum = cfg["gradient_accumulation_steps"] // self.world  # micro-steps per rank
-        torch.manual_seed(cfg["seed"] + self.rank)  # dropout differs per rank; data order is set per batch
-        return ckpt
 
-    def open_out_dir(self):
-        """After every check (a failed start leaves out_dir as it was): from scratch, the files of an
-        earlier run in out_dir are moved, whole, into a folder of their own (never overwritten), and this
-        run's config.json is written."""
-        if self.cfg["init_from"] == "scratch" and self.master:
-            set_aside_previous_run(self.cfg["out_dir"])
-            write_run_record(self.cfg["out_dir"], self.cfg, self.argv, self.world)
-        elif self.master:  # a resume appends to the log: not onto a line cut mid-write
-            repair_torn_log(self.log_path)
+def check_nag_recipe(cfg):
+    """The nag_* keys of train.py: one-line errors that name the fix."""
+    for key in ("nag_gate_lr_scale", "nag_alpha_warmup_tokens"):
+        if isinstance(cfg[key], bool) or not isinstance(cfg[key], (int, float)) or not cfg[key] >= 0:
+            raise ConfigError(f"{key} must be a number >= 0, got {cfg[key]!r}")
+        if cfg[key] != DEFAULTS[key] and cfg["residual"] != "nag":
+            raise ConfigError(f"{key}={cfg[key]} only applies to residual=nag; remove it or set --residual=nag")
+    if cfg["nag_gate_decay"] and (cfg["residual"] != "nag" or cfg["nag_gate_lr_scale"] != 1.0):
+        raise ConfigError("nag_gate_decay=True applies to residual=nag with nag_gate_lr_scale=1 (the gate group "
+                          "has no decay); drop one of them")
 
-    def build_model(self, ckpt):
-        """The model, AdamW and the fp16 grad scaler, restored from ckpt when resuming; then compiled
-        and wrapped in DDP as configured. Prints the start-up line."""
-        cfg, device = self.cfg, self.device
-        self.raw_model = GPT(self.gptconf).to(device)
-        self.optimizer = self.raw_model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"],
-                                                             (cfg["beta1"], cfg["beta2"]), cfg["nag_gate_lr_scale"],
-                                                             cfg["nag_gate_decay"], muon_settings(cfg))
-        self.scaler = torch.amp.GradScaler(device.type, enabled=cfg["dtype"] == "float16")
-        self.iter_num, self.best_val_loss, self.flops_base, self.seconds = 0, float("inf"), 0.0, 0.0
-        self.eval_due = False  # the eval of iter_num was broken off by a stop: the resume runs it first
-        self.ckpt_saved = None  # (iteration, val loss) of the checkpoint in ckpt.pt (val loss None: not known here)
-        self.last_losses = None  # the last eval's losses
-        if ckpt is not None:
-            self.restore(ckpt)
-        self.model = self.raw_model
-        if cfg["compile"]:
-            if self.master:
-                print("compiling the model...")
-            self.model = torch.compile(self.model)
-        self.grad_check = ZeroGradientCheck(self.raw_model, self.optimizer, self.iter_num) if cfg["compile"] else None
-        self.eval_model = self.model  # evals run the module that trains (compiled or not), in eval mode, without DDP
-        if self.ddp:
-            self.model = wrap_ddp(self.model, device, self.raw_model.unused_parameters)
-        if self.master:
-            print(f"{self.raw_model.describe()}, {self.raw_model.get_num_params() / 1e6:.2f}M non-embedding params | "
-                  f"{self.device} {cfg['dtype']} | {self.world} process(es) x {self.accum} micro-steps x "
-                  f"{cfg['batch_size']} x {cfg['block_size']} = {self.tokens_per_iter:,} tokens/iter")
-            if cfg["optimizer"] == "muon":
-                n = sum(p.numel() for p in self.optimizer.muon.param_groups[0]["params"])
-                print(f"optimizer: Muon (LR {cfg['muon_lr']:g}) on {n / 1e6:.2f}M params of hidden matrices, "
-                      f"AdamW (LR {cfg['learning_rate']:g}) on the rest")
-            if device.type == "cpu" and cfg["dtype"] == "float16":
-                print("WARNING: float16 on the CPU has no fast kernels: it runs over 10x slower than float32 "
-                      "(the quickstart: 12x to 16x); use --dtype=float32 (auto picks it on the CPU)",
-                      file=sys.stderr, flush=True)
 
-    def restore(self, ckpt):
-        """Resume: the weights, the optimizer (fused AdamW, or Muon + AdamW, as it was saved), the grad scaler, the run so
-        far (iteration, best val loss, realised training FLOPs, training seconds: max_seconds goes on from
-        them) and this rank's RNG."""
-        self.raw_model.load_state_dict(ckpt["model"])
-        self.optimizer.load_state_dict(ckpt["optimizer"])
-        self.scaler.load_state_dict(ckpt["scaler"])
-        self.iter_num, self.best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
-        self.flops_base, self.seconds = ckpt["flops"], ckpt["seconds"]
-        self.eval_due = ckpt.get("eval_due", False)  # a stop broke off the eval of iter_num: it runs first
-        self.ckpt_saved = (self.iter_num, None)
-        restore_rng(ckpt["rng"], self.rank, self.world, self.device)
-        if self.master:
-            print(f"resuming from {self.ckpt_path} at iter {self.iter_num} (best val loss {self.best_val_loss:.4f})")
-            if self.changes:
-                print("this resume changes the run: " + ", ".join(
-                    f"{k} {old!r} -> {new!r} ({where or 'planned'})" for k, old, new, where in self.changes))
-                if self.iter_num < self.cfg["max_iters"]:
-                    print(self.schedule())
+def start_wandb(cfg):
+    """The wandb run that each eval logs to (wandb is imported only here: wandb_log=True on rank 0)."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("wandb_log=True needs wandb: pip install wandb (or drop --wandb_log)") from None
+    name = cfg["wandb_run_name"] or os.path.basename(os.path.abspath(cfg["out_dir"]))
+    try:
+        return wandb.init(project=cfg["wandb_project"], name=name, config=cfg)
+    except Exception as e:  # not logged in, no network, ...: the first line of wandb's message
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"wandb.init failed ({why}): run wandb login, set WANDB_MODE=offline "
+                          f"or drop --wandb_log") from None
 
-    def schedule(self):
-        """The LR schedule from iter_num on, in words: where the warm-up and the cosine end, the run's end."""
-        cfg, start = self.cfg, self.iter_num
-        end, decay_end = cfg["max_iters"], cfg["lr_decay_iters"]
-        text = f"the plan from iter {start}: LR {self.lr(start):.2e}"
-        if not cfg["decay_lr"]:
-            return text + f" (decay_lr=False: constant) to the end at iter {end}"
-        if start < cfg["warmup_iters"]:
-            text += f", warm-up to {cfg['learning_rate']:.2e} at iter {cfg['warmup_iters']}"
-        if start < decay_end:
-            text += f", cosine down to min_lr {cfg['min_lr']:.2e} at iter {decay_end} (lr_decay_iters)"
-        if end > max(start, decay_end):
-            text += f", min_lr {cfg['min_lr']:.2e} from iter {max(start, decay_end)}"
-        text += f"; the run ends at iter {end}"
-        changed = {k for k, *_ in self.changes}
-        if end > decay_end and "max_iters" in changed and "lr_decay_iters" not in changed:
-            text += f" (to decay over the new length as well, add --lr_decay_iters={end})"
-        elif end < decay_end:
-            text += f", its LR {self.lr(end):.2e} there (the cosine ends later, at lr_decay_iters)"
-        return text
 
-    def plan_iterations(self):
-        """max_iters, the LR schedule's lengths and the FLOP count; a budget sets them: --max_flops here
-        (plan_flops), --max_seconds at every step boundary (plan_deadline, then plan_seconds)."""
-        cfg = self.cfg
-        self.micro_tokens = cfg["batch_size"] * cfg["block_size"]  # per rank and micro-step (block_size: resumed)
-        self.tokens_per_iter = self.accum * self.world * self.micro_tokens
-        if cfg["lr_decay_iters"] is None:
-            cfg["lr_decay_iters"] = cfg["max_iters"]
-        if cfg["min_lr"] is None:
-            cfg["min_lr"] = cfg["learning_rate"] / 10
-        self.flops_per_token = train_flops_per_token(self.gptconf)  # MoD at its capacity (counted_dense: dense)
-        if cfg["max_flops"] is not None:
-            self.plan_flops()
-        if cfg["max_seconds"] is not None:
-            self.plan_deadline()
-        self.changes = []  # on resume: the run settings this process changes (printed by restore)
-        if self.ckpt_cfg is not None:  # planned from the same inputs as the checkpoint's run: only argv differs
-            sources = {k: v for k, v in key_sources(self.argv).items() if k in self.explicit}
-            self.changes = check_resume_changes(cfg, self.ckpt_cfg, sources)
-        self.gpu_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None  # MFU
-
-    def plan_flops(self):
-        """max_flops (iso-FLOP): the budget sets the iterations, and the LR schedule with them."""
-        cfg = self.cfg
-        follows = cfg["lr_decay_iters"] == cfg["max_iters"]
-        cfg["max_iters"] = iterations_for_budget(cfg["max_flops"], self.flops_per_token, self.tokens_per_iter)
-        cfg["lr_decay_iters"] = cfg["max_iters"] if follows else cfg["lr_decay_iters"]
-        # a budget shorter than the configured warm-up would never reach the peak LR: cap the warm-up
-        # at WARMUP_CAP of the budget's iterations (only ever lowered)
-        warmup_cap = math.ceil(WARMUP_CAP * cfg["max_iters"])
-        capped = cfg["warmup_iters"] > warmup_cap
-        cfg["warmup_iters"] = min(cfg["warmup_iters"], warmup_cap)
-        if self.master:
-            print(f"max_flops {cfg['max_flops']:.3g} at {self.flops_per_token:,.0f} FLOPs/token: "
-                  f"{cfg['max_iters']:,} iters, warmup_iters {cfg['warmup_iters']:,}"
-                  + (f" (capped at {WARMUP_CAP:.0%} of the iters)" if capped else "")
-                  + f", lr_decay_iters {cfg['lr_decay_iters']:,}"
-                  + (" (MoD without a fixed capacity: counted dense, an upper bound; log.jsonl has the realised "
-                     "FLOPs)" if counted_dense(self.gptconf) else ""))
-
-    def plan_deadline(self):
-        """max_seconds (equal time): plan_seconds sets the iterations at every step boundary."""
-        cfg = self.cfg
-        if cfg["max_flops"] is not None:  # after resumed_config: either may come from the checkpoint
-            raise ConfigError("max_flops and max_seconds are two budgets (FLOPs, time): set one of them")
-        if self.ddp:
-            raise ConfigError("max_seconds runs in one process for now (DDP ranks would have to agree on the "
-                              "deadline): drop torchrun or use --max_flops")
-        self.warmup_asked = cfg["warmup_iters"]  # capped at WARMUP_CAP of each estimate, as with max_flops
-        if self.ckpt_cfg is not None:  # until this process's pace is measured: the plan the checkpoint has
-            cfg["max_iters"] = cfg["lr_decay_iters"] = self.ckpt_cfg.get("max_iters", cfg["max_iters"])
-        if self.master:
-            print(f"max_seconds {cfg['max_seconds']:g}: max_iters, lr_decay_iters and warmup_iters (at most "
-                  f"{WARMUP_CAP:.0%} of the iters) follow the pace measured after the first step; the run ends "
-                  f"at the first step boundary past {cfg['max_seconds']:g} s of training (evals not counted)")
-
-    def plan_seconds(self):
-        """max_seconds, at a step boundary (host time, no sync): the run ends here once max_seconds of training
-        are spent (max_iters = this iteration); until then max_iters is where the pace of this process's
-        steps after its first reaches the deadline (before one is timed: as planned), never this iteration,
-        and the LR schedule follows it: the decay completes at the deadline, the warm-up capped at WARMUP_CAP."""
-        cfg = self.cfg
-        spent = self.seconds_trained()
-        if spent >= cfg["max_seconds"]:
-            if self.master:
-                print(f"max_seconds {cfg['max_seconds']:g} reached at iter {self.iter_num} ({spent:.1f} s of training)")
-            cfg["max_iters"] = self.iter_num
-            return
-        timed = self.iter_num - self.start_iter - 1  # this process's steps after its first (the warm-up)
-        if timed > 0:
-            pace = (spent - self.start_seconds) / timed
-            left = (cfg["max_seconds"] - spent) / pace if pace > 0 else 1  # a frozen clock: one step at a time
-            cfg["max_iters"] = self.iter_num + math.ceil(left)
-        cfg["max_iters"] = cfg["lr_decay_iters"] = max(cfg["max_iters"], self.iter_num + 1)
-        cfg["warmup_iters"] = min(self.warmup_asked, math.ceil(WARMUP_CAP * cfg["max_iters"]))
-
-    def seconds_trained(self):
-        """Training seconds of the run (earlier processes' too) up to now: to the last sync point, then the
-        time since (t_last is reset after the first step, which warms up, and after each eval)."""
-        return self.seconds + time.time() - self.t_last
-
-    def lr(self, it):
-        """The learning rate of iteration it: linear warm-up, cosine decay to min_lr at lr_decay_iters."""
-        cfg = self.cfg
-        if not cfg["decay_lr"]:
-            return cfg["learning_rate"]
-        if it < cfg["warmup_iters"]:
-            return cfg["learning_rate"] * (it + 1) / (cfg["warmup_iters"] + 1)
-        if it > cfg["lr_decay_iters"]:
-            return cfg["min_lr"]
-        ratio = (it - cfg["warmup_iters"]) / max(1, cfg["lr_decay_iters"] - cfg["warmup_iters"])
-        return cfg["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg["learning_rate"] - cfg["min_lr"])
-
-    # --- evaluation, log.jsonl, checkpoints
-
-    @torch.no_grad()
-    def estimate_loss(self):
-        """Mean loss on eval_iters fixed batches (seed EVAL_SEED) of each split, in eval mode; None when a
-        stop signal came: it is checked between batches, so an eval (an hour for a GPU-sized model on a CPU)
-        never holds a stop up by more than a batch. An eval running longer than EVAL_PROGRESS_S prints its
-        progress and the time left, that often (on the CPU, one estimated over SLOW_EVAL_S also a warning)."""
-        cfg, stop = self.cfg, getattr(self, "stop", None)
-        n, done = 2 * cfg["eval_iters"], 0
-        t_start = t_shown = time.time()
-        self.eval_model.eval()
-        out = {}
-        try:
-            for split in ("train", "val"):
-                g = torch.Generator().manual_seed(EVAL_SEED)
-                losses = torch.zeros(cfg["eval_iters"])
-                for k in range(cfg["eval_iters"]):
-                    if stop is not None and stop.signum:
-                        return None
-                    X, Y = get_batch(self.paths[split], cfg["batch_size"], cfg["block_size"], g, self.device)
-                    with self.autocast:
-                        _, loss = self.eval_model(X, Y)
-                    losses[k] = loss.item()
-                    done, now = done + 1, time.time()
-                    if now - t_shown >= EVAL_PROGRESS_S and done < n:
-                        t_shown = now
-                        self.eval_progress(done, n, now - t_start)
-                out[split] = losses.mean().item()
-        finally:
-            self.eval_model.train()
-        return out
-
-    def final_eval_due(self):
-        """On rank 0 at the run's end: whether out_dir has no final eval (FINAL_EVAL) of this iteration and
-        final_eval_tokens."""
-        try:
-            with open(os.path.join(self.cfg["out_dir"], FINAL_EVAL)) as f:
-                done = json.load(f)
-            return (done.get("iter"), done.get("final_eval_tokens")) != (self.iter_num, self.cfg["final_eval_tokens"])
-        except (OSError, ValueError, AttributeError):
-            return True
-
-    @torch.no_grad()
-    def final_eval(self):
-        """The run's last eval, on the val split's first final_eval_tokens tokens (all of a shorter split; at
-        least one window), in consecutive windows of block_size, batch_size at a time (whole batches: a
-        compiled model sees one shape): the same tokens for every run of a dataset and block_size, so that runs differ by their
-        models and not by the batches drawn. FINAL_EVAL gets the mean loss and its standard error over the
-        windows. A stop signal breaks it off (checked between batches): the resume runs it."""
-        cfg, T = self.cfg, self.cfg["block_size"]
-        data = np.memmap(self.paths["val"], dtype=np.uint16, mode="r")
-        windows = max(min(cfg["final_eval_tokens"], len(data) - 1) // T, 1)
-        B = min(cfg["batch_size"], windows)
-        n, losses, t_start, t_shown = windows // B, [], time.time(), time.time()
-        self.eval_model.eval()
-        try:
-            for k in range(n):
-                if self.stop.signum:
-                    print(f"final eval at iter {self.iter_num}: stopped by {signal.Signals(self.stop.signum).name}; "
-                          "a resume runs it", flush=True)
-                    return
-                rows = [data[i * T:(i + 1) * T + 1].astype(np.int64) for i in range(k * B, (k + 1) * B)]
-                xy = torch.from_numpy(np.stack(rows)).to(self.device)
-                with self.autocast:
-                    logits, _ = self.eval_model(xy[:, :-1], xy[:, 1:])
-                loss = F.cross_entropy(logits.float().flatten(0, 1), xy[:, 1:].flatten(), reduction="none")
-                losses.append(loss.view(B, T).mean(1).cpu())
-                if time.time() - t_shown >= EVAL_PROGRESS_S and k + 1 < n:
-                    t_shown = time.time()
-                    self.eval_progress(k + 1, n, t_shown - t_start)
-        finally:
-            self.eval_model.train()
-        per_window = torch.cat(losses).double()
-        mean, se = per_window.mean().item(), (per_window.std().item() / len(per_window) ** 0.5 if n * B > 1 else 0.0)
-        record = {"iter": self.iter_num, "val_loss": round(mean, 6), "val_se": round(se, 6),
-                  "tokens": n * B * T, "windows": n * B, "block_size": T, "dataset": cfg["dataset"],
-                  "final_eval_tokens": cfg["final_eval_tokens"]}
-        path = os.path.join(cfg["out_dir"], FINAL_EVAL)
-        with open(path + ".tmp", "w") as f:
-            json.dump(record, f)
-        os.replace(path + ".tmp", path)
-        print(f"final eval at iter {self.iter_num}: loss {mean:.4f} (standard error {se:.4f}) on the val split's "
-              f"first {n * B * T:,} tokens ({n * B} windows of {T}) in {format_duration(time.time() - t_start)}; "
-              f"{path}", flush=True)
-
-    def eval_progress(self, done, n, spent):
-        """A long eval's progress line (rank 0); the first one on the CPU that shows a slow eval warns."""
-        left = spent / done * (n - done)
-        print(f"eval at iter {self.iter_num}: {done}/{n} batches in {format_duration(spent)}, "
-              f"about {format_duration(left)} left (Ctrl-C stops it)", flush=True)
-        if self.device.type == "cpu" and spent + left > SLOW_EVAL_S and not self.warned_slow_eval:
-            self.warned_slow_eval = True
-            print(f"WARNING: on the CPU each eval of this run takes about {format_duration(spent + left)} ({n} "
-                  f"batches of {self.cfg['batch_size']} x {self.cfg['block_size']} tokens); {self.slow_hint()}",
-                  file=sys.stderr, flush=True)
-
-    def evaluate(self, lr):
-        """An eval iteration (rank 0 evaluates; every rank joins the collectives): the losses and what
-        the run did since the last eval go to log.jsonl, and the checkpoint is saved. An eval that a stop
-        signal breaks off (estimate_loss) logs and saves nothing: eval_due, the stop's checkpoint has it
-        run first on resume."""
-        cfg = self.cfg
-        self.read_stats(self.iter_num - 1)  # waits for the steps still queued on the GPU: their time is training
-        dt = time.time() - self.t_last if self.iters_since else 0.0
-        self.train_time, self.seconds = self.train_time + dt, self.seconds + dt
-        rngs, flops = self.all_rng_states(), self.flops_so_far()
-        self.eval_due = False  # on every rank (the loop's choice to evaluate must be theirs too)
-        if self.master:
-            t_eval = time.time()
-            losses = self.estimate_loss()
-            self.eval_due = losses is None
-            if losses is None:
-                print(f"eval at iter {self.iter_num}: stopped by {signal.Signals(self.stop.signum).name}; "
-                      f"a resume runs it first", flush=True)
-            else:
-                record = self.eval_record(losses, lr, flops)
-                print(f"step {self.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-                self.last_losses = losses
-                improved = losses["val"] < self.best_val_loss
-                self.best_val_loss = min(self.best_val_loss, losses["val"])
-                if self.iter_num > 0 and not cfg["eval_only"] and (improved or cfg["always_save_checkpoint"]):
-                    self.save(rngs, flops, self.seconds, losses["val"])  # eval_only: the checkpoint it read stays
-                self.log_eval(record)  # after the save: a failed save leaves no eval the resume will not have
-                if self.evals_run:  # the process's first eval also warms the eval path up: no measure of the next
-                    self.eval_s = time.time() - t_eval
-                else:
-                    self.first_eval_s = time.time() - t_eval
-                self.evals_run += 1
-        self.train_time, self.iters_since = 0.0, 0
-        self.flops_last, self.stats.exec_sum, self.stats.exec_n = flops, None, 0
-        self.t_last, self.log_iters, self.flops_mark = time.time(), 0, self.stats.flops
-
-    def log_eval(self, record):
-        """An eval's record: a line of log.jsonl and, with wandb_log, to wandb."""
-        with open(self.log_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.wandb_run:  # the record's numbers (lists, None and the diagnostics stay in log.jsonl)
-            self.wandb_run.log({WANDB_NAMES.get(k, k): v for k, v in record.items()
-                                if isinstance(v, (int, float))}, step=self.iter_num)
-
-    def eval_record(self, losses, lr, flops):
-        """log.jsonl's record of this eval: losses, speed and MFU since the last eval, the run's FLOPs,
-        MoD executed fractions, and the diagnostics (--diagnose)."""
-        cfg, stats, n = self.cfg, self.stats, self.iters_since
-        ms = 1000 * self.train_time / max(n, 1)
-        record = {"iter": self.iter_num, "tokens": self.iter_num * self.tokens_per_iter,
-                  "train_loss": round(losses["train"], 6), "val_loss": round(losses["val"], 6),
-                  "lr": lr, "ms_per_iter": round(ms, 2),
-                  "tokens_per_s": round(self.tokens_per_iter / (ms / 1000), 1) if n else None, "flops": flops}
-        # MFU from the FLOPs these iterations really did (MoD: their executed fractions)
-        recent = (flops - self.flops_last) / (n * self.tokens_per_iter) if n else self.flops_per_token
-        record["mfu"] = mfu(recent, record["tokens_per_s"], self.gpu_name, self.world)
-        if self.gptconf.mod != "none":
-            # the mean over the training micro-steps since the last eval (None: none yet), and eval
-            # routing (thresholds tau) on the last val batch
-            fracs = {"train": [x / stats.exec_n for x in stats.exec_sum] if stats.exec_n else None,
-                     "eval": self.raw_model.executed_fraction() if cfg["eval_iters"] else None}
-            for k, frac in fracs.items():
-                record[f"exec_{k}"] = None if frac is None else [round(x, 4) for x in frac]
-            print(f"step {self.iter_num}: executed fraction (mean over sublayers) " + ", ".join(
-                f"{k} {sum(frac) / len(frac):.3f}" for k, frac in fracs.items() if frac is not None))
-        if cfg["diagnose"]:
-            X, _ = get_batch(self.paths["val"], cfg["batch_size"], cfg["block_size"],
-                             torch.Generator().manual_seed(EVAL_SEED), self.device)
-            with self.autocast:
-                record["diagnostics"] = self.raw_model.diagnostics(X)
-        record["residual"] = cfg["residual"]  # plot.py's labels and tables
-        return record
-
-    def save(self, rngs, flops, seconds, val_loss=None):
-        """ckpt.pt, atomically (a temp file renamed over it); eval_due: the eval of iter_num is still to run.
-        A save broken off (a second signal) removes its temp file: ckpt.pt stays as it was."""
-        try:
-            save_checkpoint({
-                "model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scaler": self.scaler.state_dict(), "model_args": asdict(self.gptconf),
-                "iter_num": self.iter_num, "best_val_loss": self.best_val_loss, "config": self.cfg, "rng": rngs,
-                "flops": flops, "seconds": seconds, "eval_due": self.eval_due,
-            }, self.ckpt_path)
-        except BaseException as e:
-            with contextlib.suppress(OSError):
-                os.remove(self.ckpt_path + ".tmp")
-            if isinstance(e, OSError):  # a full disk, a folder gone: one line, the last checkpoint kept
-                resume = (f"; free space and resume with: {resume_command(self.argv, self.cfg['out_dir'], self.world)}"
-                          if self.ckpt_saved else "; free space and start again")
-                raise TrainingStopped(f"could not write the checkpoint of iter {self.iter_num} ({e.strerror or e})"
-                                      f"{self.kept()}{resume}") from None
-            raise
-        self.ckpt_saved = (self.iter_num, val_loss)
-        print(f"saved checkpoint to {self.ckpt_path}")
-
-    def all_rng_states(self):
-        """Every rank's RNG state (a collective under DDP), so that resume restores each one."""
-        rngs = rng_state(self.device)
-        if not self.ddp:
-            return [rngs]
-        gathered = [None] * self.world
-        dist.all_gather_object(gathered, rngs)
-        return gathered
-
-    def flops_so_far(self):
-        """Training FLOPs of the run so far, counted from each micro-step's realised executed fractions
-        (a collective under DDP: the sum over ranks). After read_stats()."""
-        if not self.ddp:
-            return self.flops_base + self.stats.flops
-        total = torch.tensor([self.stats.flops], dtype=torch.float64, device=self.device)
-        dist.all_reduce(total)
-        return self.flops_base + total.item()
-
-    def read_stats(self, last_iter):
-        """A sync point (log and eval iterations, a checkpoint): read what the steps up to iteration
-        last_iter counted on the device; too many bad steps in a row stop the run (on every DDP rank at
-        once: their steps skip together), before any checkpoint is written."""
-        stopped = check_bad_steps(self.stats.read(), last_iter, self.cfg["max_bad_steps"], self.ckpt_path,
-                                  self.master)
-        if stopped:
-            self.stop.restore()
-            self.leave_processes(barrier=False)
-            raise stopped
-
-    def leave_processes(self, barrier=True):
-        """DDP: leave the process group, after a barrier where every rank gets there (a rank that leaves
-        while rank 0 still evaluates or checkpoints can abort gloo's teardown), and shut it down here.
-        destroy_process_group only unregisters the group: while anything else holds it (the DDP wrapper's
-        reducer does) it lives on, its gloo worker threads too, past the interpreter's end. A worker hands
-        a collective's result back before it lets go of the work; descheduled there on a loaded machine
-        until the interpreter finalizes, it then drops the last reference to a tensor that Python let go
-        of, which takes the GIL: a thread that waits for the GIL while the interpreter finalizes is ended
-        with pthread_exit, and the process aborts ("terminate called without an active exception"). With
-        the wrapper gone (and torch.distributed.nn.functional imported before the group: setup_processes)
-        destroy_process_group drops the last reference: the group is destroyed here, with the GIL released,
-        and its threads finish what they hold and are joined."""
-        if self.ddp:
-            if barrier:
-                dist.barrier()
-            self.model = self.eval_model  # the module DDP wrapped: DDP and its reducer go
-            dist.destroy_process_group()
-
-    # --- a stop by signal, the progress line
-
-    def stop_if_signalled(self, at_eval=False):
-        """At a step boundary the state is exactly "before iteration iter_num", so a checkpoint now
-        resumes bit-for-bit (data and LR depend only on iter_num); an eval that the signal broke off is
-        marked due in it (eval_due). Under DDP every rank must stop at the same iteration: they agree on
-        it (a tiny all_reduce, read on the host) at log iterations and after an eval (at_eval: rank 0 may
-        have broken it off). eval_only writes nothing: the checkpoint it read stays as it was."""
-        cfg, signum = self.cfg, self.stop.signum
-        if self.ddp:
-            if at_eval or self.iter_num % cfg["log_interval"] == 0:
-                flag = torch.tensor([signum], device=self.device)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                signum = int(flag.item())
-            else:
-                signum = 0
-        if not signum:
-            return
-        self.read_stats(self.iter_num - 1)
-        rngs, flops = self.all_rng_states(), self.flops_so_far()
-        if self.master and not cfg["eval_only"]:
-            if not cfg["always_save_checkpoint"]:  # the interrupt checkpoint is the resume point: ckpt.pt
-                keep_best_checkpoint(self.ckpt_path, cfg["out_dir"])
-            self.save(rngs, flops, self.seconds_trained())
-        self.stop.restore()  # a repeated signal now ends the process as it would without train.py's handler
-        self.leave_processes()
-        name = signal.Signals(signum).name
-        if not self.master:
-            message = ""
-        elif cfg["eval_only"]:
-            message = f"interrupted by {name}: eval_only, nothing written" + self.kept()
-        else:
-            message = (f"interrupted by {name} before iteration {self.iter_num}"
-                       + (" (its eval broken off: the resume runs it first)" if self.eval_due else "")
-                       + f"; checkpoint in {self.ckpt_path}. Resume with: "
-                       + resume_command(self.argv, cfg["out_dir"], self.world))
-        raise Interrupted(message, signum)
-
-    def kept(self):
-        """'; ckpt.pt is as it was (iter N)', or '' when out_dir has no checkpoint."""
-        if self.ckpt_saved is None:
-            return ""
-        return f"; {self.ckpt_path} is as it was (iter {self.ckpt_saved[0]})"
-
-    def abort_message(self):
-        """A second signal (one process): the run exits at once, writing nothing more."""
-        return (f"stopped at once by a second signal: no checkpoint written for this stop" + self.kept()
-                + (f". Resume with: {resume_command(self.argv, self.cfg['out_dir'], self.world)}"
-                   if self.ckpt_saved else ""))
-
-    def after_step(self, loss, t_step):
-        """Timing: the process's first step is timed alone (its warm-up, kernels compiling or with
-        compile=True the compilation, is not training time); at log iterations (a sync point: counters
-        and the loss come to the host) the progress line."""
-        cfg = self.cfg
-        if self.first_step:
-            self.first_step = False
-            self.read_stats(self.iter_num)  # waits for the step
-            self.flops_last = self.flops_so_far()  # log.jsonl's MFU leaves it out too (a collective under DDP)
-            self.t_last, self.flops_mark = time.time(), self.stats.flops
-            if self.master and cfg["compile"]:
-                print(f"first step {self.t_last - t_step:.1f}s (compilation): kept out of ms/iter, tok/s and the ETA")
-        else:
-            self.iters_since += 1
-            self.log_iters += 1
-        # the progress line at log iterations; and, until a line has shown the pace, EARLY_STEPS steps into
-        # the process or at its last iteration, so that a run shorter than log_interval shows it too
-        early = not self.pace_shown and self.log_iters and (self.iter_num - self.start_iter >= EARLY_STEPS
-                                                            or self.iter_num == cfg["max_iters"] - 1)
-        if self.iter_num % cfg["log_interval"] != 0 and not early:
-            return
-        self.read_stats(self.iter_num)
-        t_now = time.time()
-        dt = (t_now - self.t_last) / self.log_iters if self.log_iters else None  # the mean since the last sync
-        # MFU from the FLOPs these iterations really did (MoD: their executed fractions)
-        utilisation = (mfu((self.stats.flops - self.flops_mark) / (self.log_iters * self.accum * self.micro_tokens),
-                           self.tokens_per_iter / dt, self.gpu_name, self.world) if dt else None)
-        self.train_time, self.seconds = self.train_time + t_now - self.t_last, self.seconds + t_now - self.t_last
-        self.t_last, self.log_iters, self.flops_mark = t_now, 0, self.stats.flops
-        self.pace_shown = self.pace_shown or dt is not None
-        if self.master:
-            print(log_line(self.iter_num, cfg["max_iters"], loss.item() * self.accum, dt, self.tokens_per_iter,
-                           utilisation, self.lr(self.iter_num), self.eta(dt)))
-            if self.grad_check:
-                self.grad_check.warn(self.iter_num)
-            if dt and self.device.type == "cpu" and not self.warned_slow_run:
-                self.warn_if_slow(dt)
-
-    def warn_if_slow(self, dt):
-        """On the CPU, at the first progress line with a pace: a warning when the run is estimated to take
-        longer than SLOW_RUN_S (its evals at the last one's duration, else the first's)."""
-        self.warned_slow_run = True
-        eval_s = self.eval_s if self.eval_s is not None else self.first_eval_s
-        left = self.eta(dt, eval_s)
-        if left > SLOW_RUN_S:
-            evals = f", evals about {format_duration(eval_s)} each" if eval_s is not None else ""
-            print(f"WARNING: on the CPU this run takes about {format_duration(left)} more at its first steps' pace "
-                  f"({dt * 1000:,.0f} ms/iter{evals}, to iter {self.cfg['max_iters']}); {self.slow_hint()}",
-                  file=sys.stderr, flush=True)
-
-    def slow_hint(self):
-        """What to do about a slow run: the CPU config, unless the command line already names it."""
-        named = any(os.path.normpath(a).endswith(os.path.normpath(CPU_CONFIG)) for a in self.argv)
-        return LOADED_HINT if named else SLOW_HINT
-
-    def eta(self, dt, eval_s=None):
-        """Seconds left after this iteration at dt seconds per iteration (None: no step timed yet). The
-        evals left take eval_s each, by default as long as the last one; until one is timed, as long as a
-        third of 2 x eval_iters training micro-steps (an eval's forward passes; a micro-step is about 3 of them)."""
-        if not dt:
-            return None
-        cfg = self.cfg
-        left = cfg["max_iters"] - self.iter_num - 1
-        evals_left = (cfg["max_iters"] // cfg["eval_interval"] - self.iter_num // cfg["eval_interval"]
-                      + (cfg["max_iters"] % cfg["eval_interval"] != 0))
-        if eval_s is None:
-            eval_s = self.eval_s if self.eval_s is not None else dt / self.accum * 2 * cfg["eval_iters"] / 3
-        return left * dt + evals_left * eval_s
-
-    # --- the loop
-
-    def start_clocks(self):
-        """The loop's counters, timers and step statistics, from this process's first iteration."""
-        self.start_iter = self.iter_num
-        self.start_seconds = self.seconds  # max_seconds: the pace is this process's (plan_seconds)
-        self.train_time, self.iters_since = 0.0, 0  # training time and iterations since the last eval
-        self.t_last, self.log_iters = time.time(), 0  # the last sync point (log, eval) and the iterations since
-        self.flops_mark = 0.0  # stats.flops (this rank's) at the last sync point: the log line's MFU
-        # the last eval's time (and its checkpoint's), for the ETA's evals to come; None until an eval after the
-        # process's first (which warms up) is timed
-        self.eval_s, self.evals_run = None, 0
-        self.first_eval_s = None  # the process's first eval's time (warm-up included): warn_if_slow's
-        self.pace_shown = False  # whether a progress line has shown ms/iter yet
-        self.warned_slow_eval = self.warned_slow_run = False  # on the CPU: eval_progress, warn_if_slow
-        self.t_loop = time.time()  # the summary's time
-        self.first_step = True  # the first step warms up (compiles): timed alone, outside ms/iter and tok/s
-        self.stats = StepStats(self.gptconf, self.micro_tokens, self.device)  # bad steps, MoD: read at log/eval
-        self.flops_last = self.flops_base  # the run's training FLOPs at the last eval
-
-    def run(self):
-        """Train (loop); returns the best val loss. However the loop ends (max_iters, a signal, bad steps,
-        an error), the wandb run is finished, with the exit code the process gets, and its data is on disk
-        before run returns or raises."""
-        try:
-            self.loop()
-        except Interrupted as e:
-            self.finish_wandb(128 + e.signum)  # the exit code cli gives the process
-            raise
-        except BaseException:
-            self.finish_wandb(1)
-            raise
-        self.finish_wandb(0)
-        return self.best_val_loss
-
-    def finish_wandb(self, exit_code):
-        if self.wandb_run:
-            run, self.wandb_run = self.wandb_run, None
-            finish_wandb(run, exit_code)
-
-    def loop(self):
-        """Evaluate (and checkpoint) before iteration iter_num; train it; repeat; then say how the run ended
-        (summary) and leave the process group."""
-        cfg = self.cfg
-        self.start_clocks()
-        batches = train_batches(self.paths["train"], cfg["batch_size"], cfg["block_size"], cfg["seed"],
-                                self.iter_num, self.rank * self.accum, self.accum, self.device)
-        # restored when the loop ends (normally, by a signal or by NaNs)
-        self.stop = StopSignals(repeat_exits=not self.ddp, abort_message=self.abort_message).install()
-        while True:
-            if cfg["max_seconds"] is not None:
-                self.plan_seconds()
-            lr = self.lr(self.iter_num)
-            set_lr(self.optimizer, lr)
-            if cfg["nag_alpha_warmup_tokens"]:  # on the device, no host read; evals see it too, as in the reference
-                self.raw_model.set_warmup(alpha_warmup(self.iter_num, self.tokens_per_iter,
-                                                       cfg["nag_alpha_warmup_tokens"]))
-            is_eval = self.iter_num % cfg["eval_interval"] == 0 or self.iter_num == cfg["max_iters"]
-            # a resume does not repeat the eval its checkpoint was saved at, unless a stop broke that one off
-            evaluating = cfg["eval_only"] or self.eval_due or (
-                is_eval and (self.iter_num != self.start_iter or self.start_iter == 0))
-            if evaluating:
-                self.evaluate(lr)
-            final = self.iter_num >= cfg["max_iters"] and cfg["final_eval_tokens"] > 0 and not cfg["eval_only"]
-            if final and self.master and self.final_eval_due():
-                self.final_eval()
-            # a signal during an eval (the last one and the final one too) stops here
-            self.stop_if_signalled(at_eval=evaluating or final)
-            if self.iter_num >= cfg["max_iters"] or cfg["eval_only"]:
-                break
-            if self.grad_check:
-                self.grad_check.arm(self.iter_num, cfg["log_interval"])
-            t_step = time.time()
-            loss = train_step(self.model, self.raw_model, self.optimizer, self.scaler, batches, self.stats,
-                              accum=self.accum, autocast=self.autocast, grad_clip=cfg["grad_clip"])
-            self.after_step(loss, t_step)
-            self.iter_num += 1
-        self.stop.restore()
-        if self.master and not cfg["eval_only"]:
-            self.summary()
-        self.leave_processes()  # after rank 0's last eval and checkpoint
-
-    def summary(self):
-        """The end of the loop, on rank 0: a resume with nothing to do says the run is finished and how to
-        extend it; a run that trained or evaluated gives its losses, iterations, time, checkpoint and the
-        command that samples from it."""
-        cfg = self.cfg
-        out_dir = cfg["out_dir"]
-        sample = f"python sample.py --out_dir={shlex.quote(out_dir)}"
-        if self.iter_num == self.start_iter and not self.evals_run:
-            if cfg["max_flops"] is not None or cfg["max_seconds"] is not None:
-                budget = "max_flops" if cfg["max_flops"] is not None else "max_seconds"
-                how = (f"Its budget ({budget}={cfg[budget]:g}) is spent and a resume keeps it: train a larger one "
-                       f"in another --out_dir")
-            else:
-                more = 2 * max(self.iter_num, 1)
-                how = (f"To train on, resume with a larger --max_iters (and --lr_decay_iters for the LR to decay "
-                       f"over it), e.g. --max_iters={more} --lr_decay_iters={more}")
-            print(f"the run in {out_dir} is finished: it is at iter {self.iter_num}, max_iters={cfg['max_iters']}, "
-                  f"so there is nothing to train. {how}; --eval_only=True evaluates it; {sample} samples from it")
-            return
-        final = self.last_losses["val"] if self.last_losses else None
-        # the last "val loss" printed is the final eval's (bench.py's quickstart reads it)
-        print(f"done: iter {self.iter_num}/{cfg['max_iters']}"
-              + (f" (this process trained {self.iter_num - self.start_iter} from iter {self.start_iter})"
-                 if self.start_iter else "")
-              + f" in {format_duration(time.time() - self.t_loop)} (evals included)"
-              + (f"; val loss {final:.4f} at the end, best {self.best_val_loss:.4f}" if final is not None else ""))
-        if self.ckpt_saved is None:
-            print("no checkpoint written: iteration 0 (nothing trained) is not saved")
-            return
-        it, val = self.ckpt_saved
-        what = "the best model" if not cfg["always_save_checkpoint"] else "the last model"
-        print(f"checkpoint: {self.ckpt_path} ({what}: iter {it}"
-              + (f", val {val:.4f})" if val is not None else ")") + f"; sample from it: {sample}")
+def finish_wandb(run, exit_code):
+    """The end of the wandb run: its data on disk (offline: the .wandb file complete) when this returns.
+    run.finish() alone is not enough: it only asks wandb's service process to close the run (a message it
+    does not wait on), and until the service closes the run's .wandb file that file may hold its 7-byte
+    header and nothing else. wandb.teardown() waits until the service has closed every run and exited
+    (a later wandb.init starts a new one)."""
+    import wandb
+    run.finish(exit_code=exit_code)
+    wandb.teardown()
 
 
 def main(argv):

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import plan
 import train
 from configurator import ConfigError, configure
 from fidelity import assert_same_gradients, perturb_backbone
@@ -76,13 +77,13 @@ def test_head_matches_reference(form):
             model.stream.g_dec.fill_(0.3)
     r0, s = (t.requires_grad_() for t in random_state(16))
     r = r0 / r0.square().mean(-1, keepdim=True).sqrt()
-    torch.testing.assert_close(model.stream.head((r, s), model.lm_head),
+    torch.testing.assert_close(model.stream.head(NAG.State(r, s), model.lm_head),
                                reference_head(form, r, s, model.lm_head.weight, model.stream.g_dec), **TOL)
     # the gradients with W_U's rows 1000x larger (the same cosines): the epsilon then moves them by < 1e-12
     # (at RMS 0.7 it moves a small element of W_U's gradient by 1e-4 of itself)
     with torch.no_grad():
         model.lm_head.weight.mul_(1000.0)
-    logits = model.stream.head((r, s), model.lm_head)
+    logits = model.stream.head(NAG.State(r, s), model.lm_head)
     reference = reference_head(form, r, s, model.lm_head.weight, model.stream.g_dec)
     torch.testing.assert_close(logits, reference, rtol=1e-10, atol=1e-10)
     assert_same_input_gradients(logits, reference, (r0, s), rtol=1e-8, atol=1e-10)
@@ -96,8 +97,8 @@ def test_head_default_is_the_reference_and_sqrt_d_is_sqrt_d_larger():
     assert "g_dec" in dict(sqrt_d.stream.named_parameters())
     sqrt_d.load_state_dict(cosine.state_dict(), strict=False)
     r, s = (t.float() for t in random_state(16))
-    torch.testing.assert_close(sqrt_d.stream.head((r, s), sqrt_d.lm_head),
-                               4.0 * cosine.stream.head((r, s), cosine.lm_head))  # sqrt(16) at g_dec = 0
+    torch.testing.assert_close(sqrt_d.stream.head(NAG.State(r, s), sqrt_d.lm_head),
+                               4.0 * cosine.stream.head(NAG.State(r, s), cosine.lm_head))  # sqrt(16) at g_dec = 0
 
 
 @pytest.mark.parametrize("kw, needle", [(dict(nag_head="d"), "unknown nag_head 'd'; valid: cosine, sqrt_d"),
@@ -281,11 +282,11 @@ def test_nag_recipe_keys_only_apply_to_nag():
 def test_alpha_warmup_schedule():
     """base_train.py: scale = min(1, step * total_batch_size / warmup_tokens), set before each step's eval
     and training step: 0 at step 0, linear, then 1; 0 tokens: off."""
-    assert train.alpha_warmup(0, 1000, 4000) == 0.0
-    assert train.alpha_warmup(1, 1000, 4000) == 0.25
-    assert train.alpha_warmup(3, 1000, 4000) == 0.75
-    assert train.alpha_warmup(9, 1000, 4000) == 1.0
-    assert train.alpha_warmup(0, 1000, 0) == 1.0
+    assert plan.alpha_warmup(0, 1000, 4000) == 0.0
+    assert plan.alpha_warmup(1, 1000, 4000) == 0.25
+    assert plan.alpha_warmup(3, 1000, 4000) == 0.75
+    assert plan.alpha_warmup(9, 1000, 4000) == 1.0
+    assert plan.alpha_warmup(0, 1000, 0) == 1.0
 
 
 def test_alpha_scale_scales_the_tangent():
@@ -321,7 +322,7 @@ def test_trainer_sets_the_alpha_warmup(data_dir, tmp_path):
         torch.set_num_threads(threads)
     assert trainer.raw_model.stream.alpha_scale.item() == 0.75  # before iteration 3 (the final eval): 3 / 4
     gate = group_of(trainer.optimizer, trainer.raw_model.stream.alpha)
-    assert gate["lr"] == pytest.approx(0.5 * trainer.lr(3))
+    assert gate["lr"] == pytest.approx(0.5 * trainer.plan.lr(3))
 
 
 # -----------------------------------------------------------------------------

@@ -309,7 +309,7 @@ def test_a_slow_run_of_the_cpu_config_does_not_suggest_the_cpu_config(data_dir, 
     monkeypatch.setattr(train, "train_step", step)
     monkeypatch.setattr(train, "batch_generator", stop_at(7, 0))
     with pytest.raises(train.Interrupted):
-        in_process([train.CPU_CONFIG, *tiny_args(data_dir, tmp_path / "out", max_iters=1000, lr_decay_iters=1000,
+        in_process([guards.CPU_CONFIG, *tiny_args(data_dir, tmp_path / "out", max_iters=1000, lr_decay_iters=1000,
                                                  eval_interval=500, log_interval=100, eval_iters=1)])
     (warning,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("WARNING")]
     assert "other work on the cores? (this run's configuration is already the CPU one)" in warning

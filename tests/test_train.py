@@ -464,7 +464,7 @@ import json, sys
 sys.path.insert(0, {str(REPO)!r})
 import train
 
-plan, line = train.Trainer.plan_iterations, train.log_line
+plan, line = train.Trainer.plan_run, train.log_line
 
 def plan_on_a_known_gpu(self):
     plan(self)
@@ -474,7 +474,7 @@ def log_line(iter_num, max_iters, loss, dt, tokens_per_iter, utilisation, lr, et
     print("log_line " + json.dumps(dict(iter=iter_num, dt=dt, tokens_per_iter=tokens_per_iter, mfu=utilisation)))
     return line(iter_num, max_iters, loss, dt, tokens_per_iter, utilisation, lr, eta)
 
-train.Trainer.plan_iterations, train.log_line = plan_on_a_known_gpu, log_line
+train.Trainer.plan_run, train.log_line = plan_on_a_known_gpu, log_line
 train.main(sys.argv[1:])
 """
 

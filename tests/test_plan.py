@@ -1,0 +1,116 @@
+"""The run's plan (plan.py) on its own: no model, no data, a configuration dict. What a budget buys, the
+warm-up cap, the LR schedule and the re-planning of a time budget, against numbers worked by hand."""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import plan
+from configurator import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def config(**kw):
+    """train.py's plan keys, at values that make the arithmetic easy to follow."""
+    cfg = dict(max_iters=100, warmup_iters=10, lr_decay_iters=None, learning_rate=1e-3, min_lr=None, decay_lr=True,
+               max_flops=None, max_seconds=None, eval_interval=25, nag_alpha_warmup_tokens=0)
+    cfg.update(kw)
+    return cfg
+
+
+def test_the_plan_needs_no_model():
+    """plan.py imports neither torch nor the model: a plan is arithmetic on the configuration."""
+    code = "import sys, plan; print(sorted(m for m in ('torch', 'model', 'flops') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_the_lr_warms_up_then_follows_the_cosine_to_min_lr():
+    p = plan.RunPlan(config(), tokens_per_iter=128, flops_per_token=1.0, verbose=False)
+    assert p.cfg["lr_decay_iters"] == 100 and p.cfg["min_lr"] == pytest.approx(1e-4)  # the defaults fill in
+    assert p.lr(0) == pytest.approx(1e-3 * 1 / 11) and p.lr(9) == pytest.approx(1e-3 * 10 / 11)
+    assert p.lr(10) == pytest.approx(1e-3)  # the peak, where the cosine starts
+    assert p.lr(55) == pytest.approx(1e-4 + 0.5 * 9e-4)  # half way down the cosine
+    assert p.lr(100) == pytest.approx(1e-4) and p.lr(500) == pytest.approx(1e-4)
+    lrs = [p.lr(i) for i in range(10, 101)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))  # the decay never goes back up
+    flat = plan.RunPlan(config(decay_lr=False), 128, 1.0, verbose=False)
+    assert {flat.lr(i) for i in (0, 5, 50, 100)} == {1e-3}
+
+
+def test_a_flop_budget_sets_the_iterations_and_caps_the_warm_up(capsys):
+    """3.2e6 FLOPs at 100 FLOPs/token and 128 tokens/iter buy 250 iterations; lr_decay_iters follows them,
+    and a 40-iteration warm-up is capped at ceil(10% of 250) = 25 (a short one is left as it is)."""
+    p = plan.RunPlan(config(max_flops=3.2e6, warmup_iters=40), 128, 100.0, dense_note=" (counted dense)")
+    assert (p.cfg["max_iters"], p.cfg["lr_decay_iters"], p.cfg["warmup_iters"]) == (250, 250, 25)
+    out = capsys.readouterr().out
+    assert "250 iters, warmup_iters 25 (capped at 10% of the iters), lr_decay_iters 250 (counted dense)" in out
+    odd = plan.RunPlan(config(max_flops=243 * 12800, warmup_iters=40), 128, 100.0, verbose=False)
+    assert (odd.cfg["max_iters"], odd.cfg["warmup_iters"]) == (243, 25)  # 24.3 rounded up
+    short = plan.RunPlan(config(max_flops=3.2e6, warmup_iters=5), 128, 100.0, verbose=False)
+    assert short.cfg["warmup_iters"] == 5
+    kept = plan.RunPlan(config(max_flops=3.2e6, lr_decay_iters=80), 128, 100.0, verbose=False)
+    assert kept.cfg["lr_decay_iters"] == 80  # set apart from max_iters: the budget leaves it
+
+
+def test_iterations_for_budget_rounds_to_the_nearest_and_refuses_a_bad_budget():
+    assert plan.iterations_for_budget(1000.4 * 128, 1.0, 128) == 1000
+    assert plan.iterations_for_budget(1000.6 * 128, 1.0, 128) == 1001
+    assert plan.iterations_for_budget(1.0, 1.0, 128) == 1  # at least one
+    for bad in (0, -1.0, True, "1e6"):
+        with pytest.raises(ConfigError, match="positive number"):
+            plan.iterations_for_budget(bad, 1.0, 128)
+
+
+def test_a_time_budget_re_plans_from_the_pace_and_ends_at_the_deadline():
+    """max_seconds 60 at 0.5 s a step: after 20 timed steps (10 s, 12 s spent with the warm-up step), the
+    48 s left buy 96 more iterations; the warm-up is capped at 10% of them, the decay ends with them. Once
+    60 s are spent the run ends at the iteration it is at."""
+    p = plan.RunPlan(config(max_seconds=60, warmup_iters=50), 128, 1.0, verbose=False)
+    p.at_step(21, spent=12.0, timed=20, timed_seconds=10.0)
+    assert (p.cfg["max_iters"], p.cfg["lr_decay_iters"], p.cfg["warmup_iters"]) == (117, 117, 12)
+    p.at_step(0, spent=0.0, timed=0, timed_seconds=0.0)  # nothing timed yet: the plan as it was
+    assert p.cfg["max_iters"] == 117
+    p.at_step(130, spent=60.0, timed=128, timed_seconds=58.0)
+    assert p.cfg["max_iters"] == 130
+    p.at_step(5, spent=1.0, timed=4, timed_seconds=0.0)  # a frozen clock: one step at a time
+    assert p.cfg["max_iters"] == 6
+
+
+def test_two_budgets_and_a_time_budget_under_ddp_are_one_line_errors():
+    with pytest.raises(ConfigError, match="set one of them"):
+        plan.RunPlan(config(max_flops=1e6, max_seconds=10), 128, 1.0, verbose=False)
+    with pytest.raises(ConfigError, match="drop torchrun or use --max_flops"):
+        plan.RunPlan(config(max_seconds=10), 128, 1.0, ddp=True, verbose=False)
+
+
+def test_a_resumed_time_budget_starts_from_the_checkpoints_plan():
+    p = plan.RunPlan(config(max_seconds=60), 128, 1.0, resumed_cfg={"max_iters": 340}, verbose=False)
+    assert (p.cfg["max_iters"], p.cfg["lr_decay_iters"]) == (340, 340)
+
+
+def test_the_alpha_warm_up_and_the_evals_left():
+    p = plan.RunPlan(config(nag_alpha_warmup_tokens=512), tokens_per_iter=128, flops_per_token=1.0, verbose=False)
+    assert [p.alpha_scale(i) for i in (0, 1, 2, 4, 9)] == [0.0, 0.25, 0.5, 1.0, 1.0]
+    assert plan.RunPlan(config(), 128, 1.0, verbose=False).alpha_scale(0) == 1.0  # no warm-up
+    assert p.evals_left(0) == 4 and p.evals_left(24) == 4 and p.evals_left(25) == 3 and p.evals_left(99) == 1
+    odd = plan.RunPlan(config(max_iters=110), 128, 1.0, verbose=False)
+    assert odd.evals_left(100) == 1  # the last eval, at max_iters, off the interval
+
+
+def test_the_plan_in_words():
+    p = plan.RunPlan(config(), 128, 1.0, verbose=False)
+    assert p.describe(0) == ("the plan from iter 0: LR 9.09e-05, warm-up to 1.00e-03 at iter 10, cosine down to "
+                             "min_lr 1.00e-04 at iter 100 (lr_decay_iters); the run ends at iter 100")
+    p.cfg["max_iters"] = 200  # a resume that trains on without moving the decay's end
+    text = p.describe(100, [("max_iters", 100, 200, "argv")])
+    assert text.endswith("min_lr 1.00e-04 from iter 100; the run ends at iter 200 (to decay over the new length "
+                         "as well, add --lr_decay_iters=200)")
+    p.cfg["max_iters"] = 50
+    assert p.describe(20).endswith(f"the run ends at iter 50, its LR {p.lr(50):.2e} there (the cosine ends later, "
+                                   "at lr_decay_iters)")
+    assert math.isclose(p.lr(50), 1e-4 + 0.5 * (1 + math.cos(math.pi * 40 / 90)) * 9e-4)
