@@ -154,7 +154,7 @@ def test_ddp_run_shuts_its_process_group_down(data_dir, tmp_path):
     loop, rank 0's TCPStore server) joined. A gloo worker alive at the interpreter's end can abort the
     process there ("terminate called without an active exception": on a loaded machine a torchrun rank
     exited -6 now and then; Trainer.leave_processes). One rank (gloo), as torchrun starts it, in a fresh
-    interpreter: when torch.distributed.nn.functional is first imported matters (setup_processes)."""
+    interpreter: when torch.distributed.nn.functional is first imported matters (start_processes)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT="0")  # port 0: the store takes a free port
     script = LEAVE_PROCESSES.format(repo=str(REPO))
