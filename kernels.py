@@ -322,9 +322,9 @@ def rms_norm(x, weight=None, eps=1e-6, impl="auto"):
 
 
 # -----------------------------------------------------------------------------
-# 2. nag_update: r, u [..., d], a [..., 1] -> r_new [..., d], log_gain [..., 1] (fp32)
-#   uc = u - mean(u);  up = uc - (<uc, r> / <r, r>) r;  v = up / sqrt(mean(up^2) + eps)
-#   p = r + a v;  r1 = p / sqrt(1 + a^2);  r_new = r1 / rms(r1);  log_gain = 0.5 log1p(a^2)
+# 2. nag_update: r, u [..., d], a [..., 1] -> r_new [..., d], log_gain [..., 1] (fp32), in five steps:
+#   (1) uc = u - mean(u);  (2) up = uc - along r, along = <uc, r> / <r, r>;  (3) v = up / sqrt(mean(up^2) + eps)
+#   (4) p = r + a v, r1 = p / sqrt(1 + a^2), r_new = r1 / rms(r1);  (5) log_gain = 0.5 log1p(a^2)
 
 if triton is not None:
 
@@ -365,24 +365,24 @@ if triton is not None:
         gl = tl.load(GL + row).to(tl.float32)
         uc = tl.where(mask, u - tl.sum(u, axis=0) / d, 0.0)
         rr = tl.sum(r * r, axis=0)
-        s = tl.sum(uc * r, axis=0) / rr
-        up = uc - s * r
-        inv = tl.rsqrt(tl.sum(up * up, axis=0) / d + eps)
-        v = up * inv
-        c = tl.rsqrt(1.0 + a * a)
+        along = tl.sum(uc * r, axis=0) / rr
+        up = uc - along * r
+        rstd_up = tl.rsqrt(tl.sum(up * up, axis=0) / d + eps)
+        v = up * rstd_up
+        cos = tl.rsqrt(1.0 + a * a)
         p = r + a * v
-        r1 = c * p
-        n = tl.rsqrt(tl.sum(r1 * r1, axis=0) / d)
-        r_new = r1 * n
+        r1 = cos * p
+        rstd_r1 = tl.rsqrt(tl.sum(r1 * r1, axis=0) / d)
+        r_new = r1 * rstd_r1
         # back through each step, last to first (nag_update_bwd_torch spells out the same steps)
-        g_r1 = n * (g - r_new * (tl.sum(g * r_new, axis=0) / d))
-        g_a = c * tl.sum(g_r1 * v, axis=0) - a * c * c * c * tl.sum(g_r1 * p, axis=0) + gl * a * c * c
-        g_v = c * a * g_r1
-        g_up = inv * (g_v - v * (tl.sum(g_v * v, axis=0) / d))
+        g_r1 = rstd_r1 * (g - r_new * (tl.sum(g * r_new, axis=0) / d))
+        g_a = cos * tl.sum(g_r1 * v, axis=0) - a * cos * cos * cos * tl.sum(g_r1 * p, axis=0) + gl * a * cos * cos
+        g_v = cos * a * g_r1
+        g_up = rstd_up * (g_v - v * (tl.sum(g_v * v, axis=0) / d))
         gur = tl.sum(g_up * r, axis=0) / rr
         g_uc = g_up - gur * r
         g_u = tl.where(mask, g_uc - tl.sum(g_uc, axis=0) / d, 0.0)
-        g_r = c * g_r1 - s * g_up - gur * (uc - 2.0 * s * r)
+        g_r = cos * g_r1 - along * g_up - gur * (uc - 2.0 * along * r)
         tl.store(GR + row * d + cols, g_r.to(GR.dtype.element_ty), mask=mask)
         tl.store(GU + row * d + cols, g_u.to(GU.dtype.element_ty), mask=mask)
         tl.store(GA + row, g_a)
@@ -451,20 +451,20 @@ nag_update_op.register_autograd(_nag_update_backward, setup_context=_nag_update_
 # the reference: the kernels' steps in plain PyTorch
 
 def _nag_steps(r, u, a, eps):
-    """The forward's steps in fp32 (fp64 stays fp64): (r, a, uc, rr, s, inv, v, c, p, n, r_new),
-    the intermediates that the backward needs, r_new last."""
+    """The forward's steps 1-4 in fp32 (fp64 stays fp64): (r, a, uc, rr, along, rstd_up, v, cos, p,
+    rstd_r1, r_new), the intermediates that the backward needs, r_new last."""
     r, u, a = upcast(r), upcast(u), upcast(a)
     uc = u - u.mean(-1, keepdim=True)  # 1. centre
     rr = (r * r).sum(-1, keepdim=True)
-    s = (uc * r).sum(-1, keepdim=True) / rr
-    up = uc - s * r  # 2. orthogonal to r
-    inv = torch.rsqrt(up.square().mean(-1, keepdim=True) + eps)
-    v = up * inv  # 3. unit RMS
-    c = torch.rsqrt(1 + a * a)
+    along = (uc * r).sum(-1, keepdim=True) / rr  # uc's coefficient along r
+    up = uc - along * r  # 2. orthogonal to r
+    rstd_up = torch.rsqrt(up.square().mean(-1, keepdim=True) + eps)
+    v = up * rstd_up  # 3. unit RMS
+    cos = torch.rsqrt(1 + a * a)  # cos(arctan(a)); a cos is the sine
     p = r + a * v
-    r1 = c * p  # 6. rotate by arctan(a) ...
-    n = torch.rsqrt(r1.square().mean(-1, keepdim=True))
-    return r, a, uc, rr, s, inv, v, c, p, n, r1 * n  # ... and stop drift in low precision
+    r1 = cos * p  # 4. rotate by arctan(a) ...
+    rstd_r1 = torch.rsqrt(r1.square().mean(-1, keepdim=True))
+    return r, a, uc, rr, along, rstd_up, v, cos, p, rstd_r1, r1 * rstd_r1  # ... and stop drift in low precision
 
 
 @nag_update_op.register_kernel("cpu")
@@ -473,7 +473,7 @@ def nag_update_fwd_torch(r: Tensor, u: Tensor, a: Tensor, eps: float) -> tuple[T
     r, u = r.contiguous(), u.contiguous()
     af = upcast(a)
     r_new = _nag_steps(r, u, a, eps)[-1]
-    # 7. log-gain, per row; the product is the last op, so that it is never a no-op .contiguous() (see cast)
+    # 5. log-gain, per row; the product is the last op, so that it is never a no-op .contiguous() (see cast)
     log_gain = 0.5 * torch.log1p(af * af).expand(*r.shape[:-1], 1).contiguous()
     return cast(r_new, r.dtype), log_gain
 
@@ -482,17 +482,17 @@ def nag_update_fwd_torch(r: Tensor, u: Tensor, a: Tensor, eps: float) -> tuple[T
 def nag_update_bwd_torch(r: Tensor, u: Tensor, a: Tensor, grad_r_new: Tensor, grad_log_gain: Tensor,
                          eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """(grad r, grad u, grad a per row [..., 1] fp32): the backward kernel's steps."""
-    rf, a, uc, rr, s, inv, v, c, p, n, r_new = _nag_steps(r.contiguous(), u.contiguous(), a, eps)
+    rf, a, uc, rr, along, rstd_up, v, cos, p, rstd_r1, r_new = _nag_steps(r.contiguous(), u.contiguous(), a, eps)
     g, gl = upcast(grad_r_new), upcast(grad_log_gain)
-    g_r1 = n * (g - r_new * (g * r_new).mean(-1, keepdim=True))  # through r_new = r1 / rms(r1)
-    g_a = (c * (g_r1 * v).sum(-1, keepdim=True) - a * c ** 3 * (g_r1 * p).sum(-1, keepdim=True)
-           + gl * a * c * c)  # through r1 = c (r + a v) and log_gain = 0.5 log1p(a^2)
-    g_v = c * a * g_r1
-    g_up = inv * (g_v - v * (g_v * v).mean(-1, keepdim=True))  # through v = up / rms(up)
+    g_r1 = rstd_r1 * (g - r_new * (g * r_new).mean(-1, keepdim=True))  # through r_new = r1 / rms(r1)
+    g_a = (cos * (g_r1 * v).sum(-1, keepdim=True) - a * cos ** 3 * (g_r1 * p).sum(-1, keepdim=True)
+           + gl * a * cos * cos)  # through r1 = cos (r + a v) and log_gain = 0.5 log1p(a^2)
+    g_v = cos * a * g_r1
+    g_up = rstd_up * (g_v - v * (g_v * v).mean(-1, keepdim=True))  # through v = up / rms(up)
     gur = (g_up * rf).sum(-1, keepdim=True) / rr
-    g_uc = g_up - gur * rf  # through up = uc - s r
+    g_uc = g_up - gur * rf  # through up = uc - along r
     g_u = g_uc - g_uc.mean(-1, keepdim=True)  # through uc = u - mean(u)
-    g_r = c * g_r1 - s * g_up - gur * (uc - 2.0 * s * rf)
+    g_r = cos * g_r1 - along * g_up - gur * (uc - 2.0 * along * rf)
     return g_r.to(r.dtype), g_u.to(u.dtype), g_a.expand(*r.shape[:-1], 1).contiguous()
 
 
@@ -515,7 +515,7 @@ class NAGUpdateTorch(torch.autograd.Function):
 
 def nag_update(r, u, a, eps=1e-6, impl="auto"):
     """The NAG write-back of a sublayer output u into the direction r (unit RMS) with tangent a.
-    Returns the new direction and the log-gain 0.5 * log(1 + a^2) that the log-norm s gains."""
+    Returns the new direction and the log-gain 0.5 * log(1 + a^2) that the stream's log-norm gains."""
     if use_triton(impl, r):
         return nag_update_op(r, u, a, eps)
     return NAGUpdateTorch.apply(r, u, a, eps)

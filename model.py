@@ -5,22 +5,24 @@ Read top to bottom. The first part is a complete GPT with the default residual m
 config, the backbone (RMSNorm, RoPE, attention, MLP), the residual seam and PreNorm, then GPT. A
 reader of the default model can stop there. Then come the other residual modes (each one class that
 carries everything about itself: its options, the MoD modes it works with, the FLOPs it adds, the
-fused ops it uses), then Mixture-of-Depths, then the attention extras MoD and generation need.
+fused ops it uses, and its state: a tensor, or a NamedTuple of its own, State), then
+Mixture-of-Depths, then the attention extras MoD and generation need. Which parameter each optimizer
+trains is optim.py's, from the modes' declarations (GPT.configure_optimizers calls it).
 README.md's "The residual modes" and "Mixture-of-Depths" say what each mode is for.
 """
 
 import itertools
 import math
 from dataclasses import dataclass, field, make_dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import optim
 from kernels import IMPLS, depth_attention, fp32_math, hc_post_mix, mhc_pre_mix, nag_update, rms_norm, sinkhorn, upcast
-from optim import MuonAdamW
 
 
 @dataclass
@@ -150,11 +152,12 @@ class CausalSelfAttention(nn.Module):
         if self.value_residual == "learned" and not first:
             self.value_lambda = nn.Parameter(torch.tensor(0.5))
 
-    def forward(self, x, rope, visibility=None, values=None):
+    def forward(self, x, rope, visibility=None, v1=None):
         """x [B, T, C] in order, or a tuple of three (query, key and value inputs: a residual mode's
         per-way read). visibility (MoD and generation, see Visibility): which keys each
-        query sees beyond causality, and the KV cache; None: plain causal attention. values: a dict
-        that carries v_1 from the first attention sublayer to the others (value_residual)."""
+        query sees beyond causality, and the KV cache; None: plain causal attention. v1: the first
+        attention sublayer's values (value_residual; None without it). Returns the output and v1 (the
+        first sublayer returns its own values, for the others)."""
         if isinstance(x, tuple):  # a per-way read (mudd): the query, key and value inputs apart
             (B, T, C), (xq, xk, xv) = x[0].size(), x
             qk = torch.stack([F.linear(xi, w) for xi, w in zip((xq, xk), self.c_attn.weight.split(C))], 2)
@@ -167,10 +170,10 @@ class CausalSelfAttention(nn.Module):
         v = v.squeeze(2)  # [B, T, nh, hd], no RoPE on values
         if self.value_residual != "none":
             if self.first:
-                values["v1"] = v
+                v1 = v
             else:
                 lam = self.value_lambda.to(v.dtype) if self.value_residual == "learned" else 0.5
-                v = (1 - lam) * v + lam * values["v1"]  # what the KV cache keeps, too
+                v = (1 - lam) * v + lam * v1  # what the KV cache keeps, too
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, nh, T, hd]
         mask, causal = None, True
         if visibility is not None:
@@ -179,7 +182,7 @@ class CausalSelfAttention(nn.Module):
             q, k, v, attn_mask=None if mask is None else mask.to(q.dtype),
             dropout_p=self.dropout if self.training else 0.0, is_causal=mask is None and causal)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+        return self.resid_dropout(self.c_proj(y)), v1
 
 
 class MLP(nn.Module):
@@ -198,61 +201,50 @@ class MLP(nn.Module):
 
 class Residual(nn.Module):
     """A residual mode: how the stream is built, what each sublayer reads, how its output is written
-    back, what the LM head reads. GPT calls (l = 0..2L-1 is the sublayer, state the stream: a tensor,
-    or whatever the mode keeps):
-      embed(e) -> state                   the stream from the token embedding e
-      read(state, l) -> x                 what sublayer l takes as input; for an attention sublayer it
-                                          may be a tuple (query, key, value inputs: mudd's per-way read,
-                                          without MoD); every other mode reads one tensor
-      write(state, l, out) -> state       sublayer l's output written back
+    back, what the LM head reads. GPT calls (l = 0..2L-1 is the sublayer; state is the stream: a tensor,
+    or the mode's own NamedTuple, its State):
+      embed(e) -> state                    the stream from the token embedding e
+      read(state, l) -> (x, carry)         x: what sublayer l takes as input (an attention sublayer's may
+                                           be a tuple of its query, key and value inputs: mudd's per-way
+                                           read). carry: what the write needs from this read, None for
+                                           most modes (hc, mhc: H_post and H_res; scalars: the block's
+                                           residual). A read leaves the state as it is
+      write(state, l, out, carry) -> state      sublayer l's output written back
       head(state, lm_head) -> logits
-      write_kept(state, l, out, route)    Mixture-of-Depths: the write of a sublayer that ran only the
-                                          tokens of `route`
-      skip(state, l) -> state             the same when no token ran sublayer l
-      value(state, l) -> x                diagnostics: the stream as sublayer l sees it (l = 2L: the head)
-      stats(state, l) -> dict             diagnostics: the mode's own figures
-      tokens(state) -> [tensor]           every per-token tensor the stream keeps, [B, T, ...] each
-    and it declares, next to its code:
-      options        its GPTConfig keys: name=default, or name=(valid values, the default first)
-      mods           the MoD modes it works with (besides none)
-      ops            the fused custom ops (nanodepth::...) its forward uses (an option that drops one
-                     sets the instance's own: mhc_res=birkhoff has no Sinkhorn)
-      embed_std      the token embedding's init std
-      scaled_init    whether the sublayers' output projections get GPT-2's scaled init (True)
-      starts_as      the mode whose logits it gives at init, with the same backbone weights and its
-                     default options ("prenorm"), or None; a generic test holds it to that (an option
-                     that changes it sets the instance's own: prenorm's norm_scaling)
-      flops(config)  the forward FLOPs per token it adds beyond the backbone, by name; every registered
-                     class defines its own (flops.py refuses to guess); vector_flops names the terms
-                     that are not matmuls, routed_flops the terms spent only on the tokens a sublayer
-                     runs (evenly over the sublayers: MoD scales them by the executed fraction)
-      check(config)  its own checks of its options: one-line errors that name the fix
-      no_decay_parameters()  its parameters that take no weight decay (norms and scalars never do);
-                     every registered class with parameters defines its own (GPT.configure_optimizers
-                     refuses to guess), [] when the rule for norms and scalars covers them
-      decay_parameters()  its parameters of 2 or more dimensions that are projections and decay like
-                     a Linear's weight; any other such parameter must be in one of the two lists.
-                     Under --optimizer=muon, Muon trains the 2-D ones and its Linear weights
-                     (GPT.hidden_matrices), AdamW everything else
-      mixing_parameters()  its mixing weights and gates: never trained by Muon, whatever their decay
-                     (default: no_decay_parameters(); dwa_decay=True's alpha decays and is still one)
-      lr_groups()    [(parameters, lr_scale), ...]: parameters trained at lr_scale times the run's
-                     LR, without weight decay ([] : all at the run's LR)
+      write_kept(state, l, out, carry, route)   Mixture-of-Depths: the write of a sublayer that ran
+                                           only the tokens of `route`
+      skip(state, l) -> state              the same when no token ran sublayer l
+    Diagnostics and tests call, never the forward pass:
+      value(state, l) -> x                 the stream as sublayer l sees it, [B, T, d] (l = 2L: the head)
+      stats(state, l) -> dict              the mode's own figures
+      tokens(state) -> [tensor]            every per-token tensor the stream keeps, [B, T, ...] each
+    It declares what config checks, flops.py, the optimizer and the tests ask it, next to its code: the
+    class attributes below, flops(config) (the forward FLOPs per token it adds beyond the backbone, by
+    name: every registered class defines its own, flops.py refuses to guess), check(config) (its own
+    checks of its options: one-line errors that name the fix), and which of its parameters decay, train
+    at their own LR or stay out of Muon: no_decay_parameters() (every registered class with parameters
+    defines its own), decay_parameters(), mixing_parameters(), lr_groups(), as optim.py reads them.
     The rules a mode keeps, each held by a generic test (tests/test_new_mode.py, tests/test_mod.py):
       - MoD: a token that skips sublayer l keeps its stream bit for bit. write_kept leaves the skipped
         tokens exactly as skip() leaves every token, and skip() changes nothing the state already
         held for any token: it may only append (attnres records a 0 output).
-      - Override skip() when the state carries per-layer work (a history of outputs, a count of
-        writes, a source list): the default returns the state as is, right only when a write changes
-        nothing but the tokens' values.
+      - Override skip() when the state carries per-layer work (a history of outputs, a source list):
+        the default returns the state as is, right only when a write changes nothing but the tokens' values.
       - Override value() and tokens() when the state is not one [B, T, d] tensor.
       - Override perturb() when a parameter has a valid region that its parameterisation does not
         keep: the generic tests move every parameter off init with it.
     Optional hooks, no-ops here: set_warmup(scale) before each iteration, after_step(skipped) after
-    each optimizer step, describe() for train.py's banner.
-    A new mode is a subclass and one line in RESIDUALS."""
-    options, mods, ops, vector_flops, routed_flops, embed_std, starts_as = {}, (), (), (), (), 0.02, None
+    each optimizer step, describe() for train.py's banner. A new mode is a subclass and one line in RESIDUALS."""
+    options = {}  # its GPTConfig keys: name=default, or name=(valid values, the default first)
+    mods = ()  # the MoD modes it works with (besides none)
+    ops = ()  # the fused custom ops (nanodepth::...) its forward uses (mhc_res=birkhoff drops its instance's Sinkhorn)
+    vector_flops = ()  # the terms of flops() that are not matmuls
+    routed_flops = ()  # the terms spent only on the tokens a sublayer runs (MoD scales them by the executed fraction)
+    embed_std = 0.02  # the token embedding's init std
     scaled_init = True  # GPT-2's init of the sublayers' output projections, std 0.02 / sqrt(2L)
+    # the mode whose logits it gives at init with the same backbone weights and its default options
+    # ("prenorm"), or None; a generic test holds it to that (norm_scaling sets its instance's own)
+    starts_as = None
 
     @staticmethod
     def check(config):
@@ -329,17 +321,17 @@ class PreNorm(Residual):
 
     def read(self, x, l):
         if self.scales is None:
-            return self.norms[l](x)
+            return self.norms[l](x), None  # None: the write needs nothing from the read
         norm = self.norms[l]  # the scale on the norm's weight: the same function, no pass over x of its own
-        return rms_norm(x, norm.weight * self.scales[l], norm.eps, impl=norm.impl)
+        return rms_norm(x, norm.weight * self.scales[l], norm.eps, impl=norm.impl), None
 
     def delta(self, l, out):
         return out
 
-    def write(self, x, l, out):
+    def write(self, x, l, out, carry):
         return x + self.delta(l, out)
 
-    def write_kept(self, x, l, out, route):
+    def write_kept(self, x, l, out, carry, route):
         return route.scatter_add(x, route.weigh(self.delta(l, out)))
 
     def head(self, x, lm_head):
@@ -412,34 +404,35 @@ class GPT(nn.Module):
 
     def _sublayer(self, state, l, ctx):
         """Run sublayer l on the tokens the MoD mode routes to it (all of them without MoD) and write
-        its output back into the stream."""
-        x = self.stream.read(state, l)
+        its output back into the stream, with what the write needs from the read (carry)."""
+        x, carry = self.stream.read(state, l)
         route = self.mod.route(self.stream, state, x, l, ctx) if self.mod is not None else None
         if "routes" in ctx:  # routing() records them
             ctx["routes"][l] = route
         if route is None:
-            return self.stream.write(state, l, self._run(l, x, None, ctx))
+            return self.stream.write(state, l, self._run(l, x, None, ctx), carry)
         ctx["executed"][l] = route.executed
         if route.idx is not None and route.idx.size(1) == 0:
             return self.stream.skip(state, l)  # nobody runs this sublayer
-        return self.stream.write_kept(state, l, self._run(l, route.gather(x), route, ctx), route)
+        return self.stream.write_kept(state, l, self._run(l, route.gather(x), route, ctx), carry, route)
 
     def _run(self, l, x, route, ctx):
-        """Sublayer l on x. The MLP takes x alone; attention takes the RoPE rows of x's positions and,
-        under MoD or with KV caches, the Visibility of its keys."""
+        """Sublayer l on x. The MLP takes x alone; attention takes the RoPE rows of x's positions,
+        under MoD or with KV caches the Visibility of its keys, and v1 (value_residual)."""
         if l % 2:
             return self.sublayers[l](x)
         pos, cache = ctx["pos"], ctx["caches"] and ctx["caches"][l]
         T = (x[0] if isinstance(x, tuple) else x).size(1)  # a per-way read is a tuple (mudd)
         rope = self.rope[pos:pos + T] if route is None or route.idx is None else self.rope[pos + route.idx]
-        return self.sublayers[l](x, rope, Visibility.of(route, cache), ctx)
+        out, ctx["v1"] = self.sublayers[l](x, rope, Visibility.of(route, cache), ctx["v1"])
+        return out
 
     def _context(self, tokens, update_tau=False, pos=0, caches=None):
         """What one forward pass carries besides the stream: the first position (generation),
         the KV caches, routing state, the tokens each sublayer ran (executed), and the first attention
         sublayer's values (v1, value_residual)."""
         return {"tokens": tokens, "pos": pos, "caches": caches, "update_tau": update_tau,
-                "executed": [tokens] * len(self.sublayers)}
+                "executed": [tokens] * len(self.sublayers), "v1": None}
 
     def _finish(self, ctx):
         self.last_executed = ctx["executed"]  # per sublayer: tokens run (ints, or 0-d tensors)
@@ -478,55 +471,9 @@ class GPT(nn.Module):
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, gate_lr_scale=1.0, gate_decay=False,
                              muon=None):
-        # weight decay on matrices and embeddings (>= 2-D); none on norms, gains and scalars, nor on what
-        # a mode lists in no_decay_parameters(). Groups of their own, without decay, whose "lr_scale" train.py
-        # multiplies the scheduled LR by: the mode's lr_groups() (scalars' multipliers), and with
-        # gate_lr_scale != 1 the gates of a mode with gate_parameters() (nag); gate_decay=True decays the
-        # gates' matrices (an ablation). muon (a dict: lr, momentum, weight_decay, adjust_lr_fn), or None
-        # for AdamW alone: Muon trains the hidden matrices (hidden_matrices), AdamW the rest as above
-        if (gate_lr_scale != 1.0 or gate_decay) and not hasattr(self.stream, "gate_parameters"):
-            raise ValueError(f"gate_lr_scale={gate_lr_scale}, gate_decay={gate_decay} only apply to residual=nag")
-        if gate_lr_scale != 1.0 and gate_decay:
-            raise ValueError("gate_decay=True needs gate_lr_scale=1: the gate group has no decay")
-        own = [(self.stream.gate_parameters(), gate_lr_scale)] if gate_lr_scale != 1.0 else []
-        own += self.stream.lr_groups()
-        apart = {id(p) for params, _ in own for p in params}
-        parts = [part for part in (self.stream, self.mod) if part is not None]
-        for part in parts:
-            check_decay_declared(part)
-        exempt = {id(p) for part in parts for p in part.no_decay_parameters()}
-        if gate_decay:
-            exempt -= {id(p) for p in self.stream.gate_parameters()}
-        params = [p for p in self.parameters() if p.requires_grad and id(p) not in apart]
-        decay = [p for p in params if p.dim() >= 2 and id(p) not in exempt]
-        no_decay = [p for p in params if p.dim() < 2 or id(p) in exempt]
-        matrices = self.hidden_matrices(decay) if muon is not None else []
-        to_muon = {id(p) for p in matrices}
-        decay = [p for p in decay if id(p) not in to_muon]
-        groups = [{"params": decay, "weight_decay": weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        for params, scale in own:
-            groups.append({"params": list(params), "weight_decay": 0.0, "lr": learning_rate * scale,
-                           "lr_scale": scale})
-        if muon is None:
-            # fused on every device (CPU too): the fastest AdamW, and the one that can skip a step on the
-            # device when handed found_inf (train.py's non-finite-step skip)
-            return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
-        muon = dict(muon)
-        lr = muon.pop("lr")  # the schedule scales it as AdamW's: lr_scale is its ratio to learning_rate
-        matrix_group = {"params": matrices, "lr": lr, "lr_scale": lr / learning_rate}
-        return MuonAdamW([matrix_group], groups, muon, dict(lr=learning_rate, betas=betas))
-
-    def hidden_matrices(self, decayed):
-        """--optimizer=muon: the parameters Muon trains, of the decayed ones: the 2-D weights of hidden
-        layers (attention's and the MLP's, and a mode's projections: decay_parameters() and its Linear
-        weights). Not the token embedding nor the LM head (modded-nanogpt's and nanochat's split), not a
-        mode's mixing_parameters() whatever their decay, and not a matrix with a single row or column (a
-        router's score is a vector: orthogonalising it would only normalise it)."""
-        parts = [part for part in (self.stream, self.mod) if part is not None]
-        outside = {id(self.wte.weight), id(self.lm_head.weight)}
-        outside |= {id(p) for part in parts for p in part.mixing_parameters()}
-        return [p for p in decayed if p.dim() == 2 and min(p.shape) > 1 and id(p) not in outside]
+        """nanoGPT's entry point: the optimizer; optim.py puts each parameter in its group, from the modes'
+        declarations (no_decay_parameters() ...)."""
+        return optim.configure_optimizers(self, weight_decay, learning_rate, betas, gate_lr_scale, gate_decay, muon)
 
     @torch.no_grad()
     def after_step(self, skipped=None):
@@ -596,28 +543,13 @@ class GPT(nn.Module):
         return self.stream.head(_last_position(state), self.lm_head)[..., :self.config.vocab_size]
 
 
-def check_decay_declared(part):
-    """A mode (residual or MoD) says which of its parameters take weight decay: a class with parameters
-    defines its own no_decay_parameters(), and every parameter of 2 or more dimensions is a Linear or
-    Embedding weight (decayed) or in no_decay_parameters() or decay_parameters(). An inherited list, or
-    a matrix in neither, would be a silent guess: a one-line error names the fix."""
-    cls = type(part).__name__
-    if any(True for _ in part.parameters()) and "no_decay_parameters" not in vars(type(part)):
-        raise ValueError(f"{cls} states no no_decay_parameters(): give it its own (model.py's Residual says how; "
-                         f"return [] when its norms and scalars are all it has)")
-    declared = {id(p) for p in (*part.no_decay_parameters(), *part.decay_parameters())}
-    declared |= {id(m.weight) for m in part.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
-    for name, p in part.named_parameters():
-        if p.dim() >= 2 and id(p) not in declared:
-            raise ValueError(f"{cls}.{name} {list(p.shape)} is neither a Linear weight nor in no_decay_parameters() "
-                             f"or decay_parameters(): list it in the one that says whether it takes weight decay")
-
-
 def _last_position(state):
-    """Keep only the last token of every tensor in a stream state (a tensor or a tuple/list of them)."""
+    """Keep only the last token of every tensor in a stream state (a tensor, or a NamedTuple, tuple or
+    list of them)."""
     if state is None or torch.is_tensor(state):
         return state if state is None else state[:, [-1]]
-    return type(state)(_last_position(s) for s in state)
+    last = [_last_position(part) for part in state]
+    return state._make(last) if hasattr(state, "_make") else type(state)(last)
 
 
 # -----------------------------------------------------------------------------
@@ -672,6 +604,11 @@ class Modulator(nn.Module):
 class NAG(Residual):
     """Norm-agnostic residual: the stream is a unit-RMS direction r and a log-norm s per token
     (x = e^s r). Sublayers only rotate r, by arctan(a) with a = alpha_l m_l(r); s only grows."""
+
+    class State(NamedTuple):
+        direction: torch.Tensor  # r [..., d], unit RMS
+        log_norm: torch.Tensor  # s [..., 1], fp32: the stream is e^s r
+
     options = dict(
         nag_channels=32,  # nag: channels C of each sublayer's modulator
         nag_head=("cosine", "sqrt_d"),  # nag: cosine: logits e^s cos(w_v, r) (nag-nanochat's) | sqrt_d: e^(s + g_dec) W_hat r / sqrt(d)
@@ -725,44 +662,42 @@ class NAG(Residual):
         e = upcast(e)
         e = e - e.mean(-1, keepdim=True)  # mean-centred rows
         rms = e.square().mean(-1, keepdim=True).sqrt()
-        return e / rms, torch.log(rms) + self.g_enc
+        return self.State(e / rms, torch.log(rms) + self.g_enc)
 
     def read(self, state, l):
-        return state[0]
+        return state.direction, None  # sublayers read r, already unit RMS
 
     def tangent(self, r, l):
         return self.alpha[l] * self.alpha_scale * self.modulators[l](r)
 
-    def write(self, state, l, out):
-        r, s = state
+    def write(self, state, l, out, carry):
+        r, s = state.direction, state.log_norm
         r, log_gain = nag_update(r, out, self.tangent(r, l), impl=self.impl)
-        return r, s + log_gain
+        return self.State(r, s + log_gain)
 
-    def write_kept(self, state, l, out, route):
+    def write_kept(self, state, l, out, carry, route):
         """mod=nag: the routing score is the tangent a of the kept tokens (it carries m's gradient)."""
-        r, s = state
+        r, s = state.direction, state.log_norm
         r_k, s_k = route.gather(r), route.gather(s)
         r_new, log_gain = nag_update(r_k, out, route.score, impl=self.impl)
-        return route.scatter(r, route.keep(r_new, r_k)), route.scatter(s, route.keep(s_k + log_gain, s_k))
+        return self.State(route.scatter(r, route.keep(r_new, r_k)), route.scatter(s, route.keep(s_k + log_gain, s_k)))
 
     def head(self, state, lm_head):
-        r, s = state
         w = lm_head.weight
         w = w - w.mean(-1, keepdim=True)
         w = w * torch.rsqrt(w.square().mean(-1, keepdim=True) + 1e-6)  # unit-RMS rows, not in place
-        return torch.exp(s + self.g_dec) * F.linear(r, w) / self.head_divisor
+        return torch.exp(state.log_norm + self.g_dec) * F.linear(state.direction, w) / self.head_divisor
 
     def value(self, state, l):
-        r, s = state
-        return torch.exp(s) * r
+        return torch.exp(state.log_norm) * state.direction
 
     def tokens(self, state):
-        return list(state)
+        return [state.direction, state.log_norm]
 
     def stats(self, state, l):
         if l >= len(self.modulators):
             return {}
-        r, mod = state[0], self.modulators[l]
+        r, mod = state.direction, self.modulators[l]
         m, a = mod(r), self.tangent(r, l)
         gain = a.abs().mean().item()
         # gate health as nag-nanochat logs it: floor = the fraction of tokens whose mixture p is at the
@@ -786,6 +721,11 @@ class AttnRes(Residual):
       attnres_key_norm=False:    k_i = v_i, no RMSNorm
     The default is one fused kernel (kernels.depth_attention); the ablations take a plain path that
     stacks the sources, the O(L^2 d) copy that the kernel avoids."""
+
+    class State(NamedTuple):
+        blocks: list  # the finished sources: b_0 = the embedding, then one per finished block
+        partial: Optional[torch.Tensor]  # the running sum of the current block's outputs (None: none yet)
+
     options = dict(  # AttnRes ablations (paper §5.3); the defaults are the paper's method
         attnres_query=("static", "input"),  # static: a learned pseudo-query per sublayer | input: projected from the stream
         attnres_weights=("softmax", "sigmoid"),  # softmax over depth | sigmoid: an independent gate per source
@@ -848,14 +788,13 @@ class AttnRes(Residual):
         # every source in the compute dtype (bf16 under autocast), so none is promoted to fp32
         if torch.is_autocast_enabled(e.device.type):
             e = e.to(torch.get_autocast_dtype(e.device.type))
-        return [e], None  # finished blocks, partial sum of the current block
+        return self.State([e], None)
 
     def sources(self, state):
         """The list of sources a sublayer mixes. Each tensor is written once and read where it lies
         (depth_attention takes the list): re-stacking them at every sublayer would copy and save
         O(L^2 d) per token."""
-        blocks, partial = state
-        return blocks if partial is None else blocks + [partial]
+        return state.blocks if state.partial is None else state.blocks + [state.partial]
 
     def tokens(self, state):
         return self.sources(state)  # a write adds to the partial sum or starts one; finished blocks stay
@@ -874,8 +813,8 @@ class AttnRes(Residual):
             scores = (k * self.query(sources, l)).sum(-1)
             return torch.sigmoid(scores) if self.sigmoid else torch.softmax(scores, dim=0)
 
-    def value(self, state, l):
-        """The depth mix sublayer l reads (sublayer 0: the embedding, its only source)."""
+    def depth_mix(self, state, l):
+        """h_l, the depth mix sublayer l reads (sublayer 0: the embedding, its only source; l = 2L: the head)."""
         sources = self.sources(state)
         if l == 0:
             return sources[0]
@@ -885,27 +824,29 @@ class AttnRes(Residual):
         return sum(a * v for a, v in zip(alpha, sources)).type_as(sources[0])
 
     def read(self, state, l):
-        return self.norms[l](self.value(state, l))
+        return self.norms[l](self.depth_mix(state, l)), None
 
-    def write(self, state, l, out):
-        blocks, partial = state
-        partial = out if partial is None else partial + out
+    def write(self, state, l, out, carry):
+        partial = out if state.partial is None else state.partial + out
         if self.ends[l]:
-            return blocks + [partial], None
-        return blocks, partial
+            return self.State(state.blocks + [partial], None)
+        return self.State(state.blocks, partial)
 
-    def write_kept(self, state, l, out, route):
+    def write_kept(self, state, l, out, carry, route):
         # a skipped token's output is 0: it adds nothing to its block's sum
-        x = state[0][0]
-        return self.write(state, l, route.scatter(out.new_zeros(*x.shape[:2], out.size(-1)), route.weigh(out)))
+        e = state.blocks[0]
+        return self.write(state, l, route.scatter(out.new_zeros(*e.shape[:2], out.size(-1)), route.weigh(out)), carry)
 
     def skip(self, state, l):
         # still a write: every token gets a 0 source (as write_kept gives skipped tokens), so the
         # sources and block boundaries stay those of a pass in which some token ran sublayer l
-        return self.write(state, l, torch.zeros_like(state[0][0]))
+        return self.write(state, l, torch.zeros_like(state.blocks[0]), None)
 
     def head(self, state, lm_head):
-        return lm_head(self.norm_f(self.value(state, len(self.norms))))
+        return lm_head(self.norm_f(self.depth_mix(state, len(self.norms))))
+
+    def value(self, state, l):
+        return self.depth_mix(state, l)  # the stream a sublayer reads is its depth mix
 
     def stats(self, state, l):
         if l == 0:
@@ -962,8 +903,8 @@ class HyperConnections(Residual):
     from the normed streams X_bar = RMSNorm(X) (the paper's LayerNorm; RMSNorm as everywhere here):
     A_m += s_a tanh(X_bar W_m), A_r += s_a tanh(X_bar W_r), B += s_b tanh(X_bar W_b), W = 0 and
     s_a = s_b = 0.01 at init. MHC below constrains the same read and write.
-    The state is [X, mixes, composite]: read() computes sublayer l's coefficients from X and keeps
-    them (mixes) for write(); composite is diagnostics' running product of the H_res (stats())."""
+    The state is X. read() computes sublayer l's coefficients from X (pre_mix) and hands H_post and
+    H_res to the write as its carry."""
     options = dict(
         hc_streams=4,  # hc, mhc: n, the residual streams (each n_embd wide)
         hc_dynamic=False,  # hc: False: static mixing matrices | True: plus per-token terms (the paper's DHC)
@@ -995,6 +936,7 @@ class HyperConnections(Residual):
         self.norms = nn.ModuleList(RMSNorm(d, config.kernels) for _ in range(L))
         self.norm_f = RMSNorm(d, config.kernels)
         self.init_mixing(config)
+        self.composite = None  # diagnostics: the product of the H_res so far in a diagnostics() pass (stats())
 
     def init_mixing(self, config):
         """The parameters the coefficients come from, at the paper's init."""
@@ -1023,70 +965,63 @@ class HyperConnections(Residual):
         # n copies in fp32 would double what the stream costs in memory and traffic
         if torch.is_autocast_enabled(e.device.type):
             e = e.to(torch.get_autocast_dtype(e.device.type))
-        return [e.unsqueeze(-2).expand(*e.shape[:-1], self.n, e.size(-1)).contiguous(), None, None]
+        return e.unsqueeze(-2).expand(*e.shape[:-1], self.n, e.size(-1)).contiguous()
 
-    def mixes(self, X, l):
-        """(h_pre, h_post, h_res) of sublayer l: [n], [n], [n, n], or per token [..., n], [..., n, n]."""
+    def pre_mix(self, X, l):
+        """(u, h_post, h_res) of sublayer l: its read u = sum_m h_pre[m] X_m [..., d], and the write's
+        coefficients h_post [n] and h_res [n, n] (dynamic: per token, [..., n] and [..., n, n])."""
         pre, post, res = self.pre[l], self.post[l], self.res[l]
         if self.dynamic:
             t = torch.tanh(upcast(F.linear(self.dynamic_norms[l](X), self.dynamic_proj[l])))  # [..., n, n + 2]
             s_a, s_b = self.dynamic_scale[l]
-            pre, res, post = pre + s_a * t[..., 0], res + s_a * t[..., 1:-1], post + s_b * t[..., -1]
-        return pre, post, res
+            pre, post, res = pre + s_a * t[..., 0], post + s_b * t[..., -1], res + s_a * t[..., 1:-1]
+        u = (pre.to(X.dtype).unsqueeze(-1) * X).sum(-2)  # a matmul would save a transposed copy of X
+        return u, post, res
 
-    def read(self, state, l):
-        X = state[0]
-        pre, post, res = self.mixes(X, l)
-        state[1] = post, res  # for write()
-        u = (pre.to(X.dtype).unsqueeze(-1) * X).sum(-2)  # sum_m A_m[m] X_m (a matmul would save a transposed copy of X)
-        return self.norms[l](u)
+    def read(self, X, l):
+        u, post, res = self.pre_mix(X, l)
+        return self.norms[l](u), (post, res)  # the write's coefficients: its carry
 
-    def write(self, state, l, out):
-        post, res = state[1]
-        return [hc_post_mix(state[0], out, post, res, impl=self.impl), None, state[2]]
+    def write(self, X, l, out, carry):
+        post, res = carry
+        return hc_post_mix(X, out, post, res, impl=self.impl)
 
-    def write_kept(self, state, l, out, route):
+    def write_kept(self, X, l, out, carry, route):
         """Router MoD: the kept tokens' streams get the whole write (mix and output); a skipped
         token's n streams stay as they are."""
-        X, (post, res) = state[0], state[1]
+        post, res = carry
         kept = route.gather(X)
         post = route.gather(post) if post.dim() > 1 else post
         res = route.gather(res) if res.dim() > 2 else res
         new = hc_post_mix(kept, route.weigh(out), post, res, impl=self.impl)
         new = route.keep(new.flatten(-2), kept.flatten(-2)).view_as(new)  # padding keeps its streams
-        return [route.scatter(X, new), None, state[2]]
+        return route.scatter(X, new)
 
-    def skip(self, state, l):
-        return [state[0], None, state[2]]  # no write: the mixes read() kept are dropped
+    def head(self, X, lm_head):
+        return lm_head(self.norm_f(X.sum(-2)))
 
-    def head(self, state, lm_head):
-        return lm_head(self.norm_f(state[0].sum(-2)))
+    def value(self, X, l):
+        return X.mean(-2)  # the streams' mean: at hc's init, prenorm's stream
 
-    def value(self, state, l):
-        return state[0].mean(-2)  # the streams' mean: at hc's init, prenorm's stream
-
-    def tokens(self, state):
-        return [state[0]]  # the n streams (the mixes and the composite are not the stream)
-
-    def stats(self, state, l):
+    def stats(self, X, l):
         """The streams' mean pairwise cosine ("stream_cos", 1: collapsed), and the composite H_res
         from the embedding through sublayer l (the product of the mixes so far, this sublayer's
         included; the head: all of them): its max row sum "gain_fwd" (how much a signal can grow
         going up) and max column sum "gain_bwd" (a gradient going down), |entries|, each averaged over
-        tokens. mHC keeps both at 1; hc's may drift. MoD's skips are not in the product."""
-        X = upcast(state[0])
-        unit = F.normalize(X, dim=-1)
+        tokens. mHC keeps both at 1; hc's may drift. MoD's skips are not in the product. GPT.diagnostics
+        calls it for l = 0, 1, .., 2L in order; the product so far is self.composite."""
+        Xf = upcast(X)
+        unit = F.normalize(Xf, dim=-1)
         cos = unit @ unit.transpose(-1, -2)
         n = self.n
         out = {"stream_cos": ((cos.sum((-2, -1)) - n) / max(n * (n - 1), 1)).mean().item()}
         if l < len(self.norms):
-            h_res = upcast(self.mixes(state[0], l)[2]).expand(*X.shape[:-2], n, n)
-            prev = state[2] if state[2] is not None else torch.eye(n, dtype=X.dtype, device=X.device)
-            state[2] = h_res.transpose(-1, -2) @ prev  # X_l+1 = H_res^T X_l + ...: maps X_0 to X_l+1
-        if state[2] is not None:
-            a = state[2].abs()
-            out["gain_fwd"] = a.sum(-1).amax(-1).mean().item()
-            out["gain_bwd"] = a.sum(-2).amax(-1).mean().item()
+            h_res = upcast(self.pre_mix(X, l)[2]).expand(*Xf.shape[:-2], n, n)
+            prev = self.composite if l > 0 else torch.eye(n, dtype=Xf.dtype, device=Xf.device)
+            self.composite = h_res.transpose(-1, -2) @ prev  # X_l+1 = H_res^T X_l + ...: maps X_0 to X_l+1
+        a = self.composite.abs()
+        out["gain_fwd"] = a.sum(-1).amax(-1).mean().item()
+        out["gain_bwd"] = a.sum(-2).amax(-1).mean().item()
         return out
 
 
@@ -1187,8 +1122,8 @@ class MHC(HyperConnections):
         # head_phi (2-D) as the per-sublayer phi (3-D, which torch's Muon cannot take)
         return list(self.parameters())
 
-    def mixes(self, X, l):
-        """(u, h_post, h_res): the read and the coefficients, from one projection of the streams."""
+    def pre_mix(self, X, l):
+        """(u, h_post, h_res) as hc's, from one projection of the streams."""
         proj = F.linear(X.flatten(-2), self.phi[l].to(X.dtype))
         if self.birkhoff:
             return self.birkhoff_mixes(X, proj, l)
@@ -1212,13 +1147,7 @@ class MHC(HyperConnections):
             h_res = torch.softmax(logits, -1) @ self.permutations.to(logits.dtype)
         return u, post, h_res.unflatten(-1, (n, n))
 
-    def read(self, state, l):
-        u, post, res = self.mixes(state[0], l)
-        state[1] = post, res  # for write()
-        return self.norms[l](u)
-
-    def head(self, state, lm_head):
-        X = state[0]
+    def head(self, X, lm_head):
         n = self.n
         # the official mhc_head: the pre-mix's read with n coefficients (the rest of proj zero)
         proj = F.pad(F.linear(X.flatten(-2), self.head_phi.to(X.dtype)), (0, n * (n + 1)))
@@ -1236,8 +1165,12 @@ class DenseFormer(Residual):
     j = i mod k; dwa_period p: a DWA follows every p-th block only (the paper's k x p-DenseFormer).
     alpha [L/p, L+1], one row per DWA (row r follows block (r+1)p), starts as the identity, weight 1 on
     X_i and 0 elsewhere: the model starts as prenorm. The weights outside a row's group are never read.
-    The state is [x, [X_0, X_1, ...]]. The DWA is part of a block's last write: under MoD a token that
-    skips the MLP keeps its stream (its X_i is its x) and is not averaged."""
+    The DWA is part of a block's last write: under MoD a token that skips the MLP keeps its stream (its
+    X_i is its x) and is not averaged."""
+
+    class State(NamedTuple):
+        x: torch.Tensor  # the stream
+        outputs: list  # X_0 (the embedding), X_1, ..: the stream leaving each block so far, before its DWA
     options = dict(
         dwa_dilation=1,  # dwa: k, a DWA after block i mixes the X_j with j = i mod k (1: every output; the paper's default)
         dwa_period=1,  # dwa: p, a DWA after every p-th block only (1: after every block; the paper's default)
@@ -1295,10 +1228,10 @@ class DenseFormer(Residual):
         return ", a DWA after every block" if (k, p) == (1, 1) else f", {k}x{p}-DenseFormer (dilation {k}, period {p})"
 
     def embed(self, e):
-        return [e, [e]]
+        return self.State(e, [e])
 
     def read(self, state, l):
-        return self.norms[l](state[0])
+        return self.norms[l](state.x), None
 
     def average(self, outputs, i):
         """The DWA after block i over its group of outputs (None: block i has none)."""
@@ -1307,35 +1240,35 @@ class DenseFormer(Residual):
         w = self.alpha[self.row[i - 1]].to(outputs[0].dtype)
         return sum(w[j] * outputs[j] for j in self.group[i - 1])  # no stacked copy of the outputs is saved
 
-    def write(self, state, l, out):
-        x = state[0] + out
+    def write(self, state, l, out, carry):
+        x = state.x + out
         if l % 2 == 0:
-            return [x, state[1]]
-        outputs = state[1] + [x]
+            return self.State(x, state.outputs)
+        outputs = state.outputs + [x]
         mixed = self.average(outputs, l // 2 + 1)
-        return [x if mixed is None else mixed, outputs]
+        return self.State(x if mixed is None else mixed, outputs)
 
-    def write_kept(self, state, l, out, route):
-        x = route.scatter_add(state[0], route.weigh(out))
+    def write_kept(self, state, l, out, carry, route):
+        x = route.scatter_add(state.x, route.weigh(out))
         if l % 2 == 0:
-            return [x, state[1]]
-        outputs = state[1] + [x]
+            return self.State(x, state.outputs)
+        outputs = state.outputs + [x]
         mixed = self.average(outputs, l // 2 + 1)
         if mixed is not None:  # a token that skipped the MLP keeps its stream
             x = torch.where(route.ran(*x.shape[:2], x.device).unsqueeze(-1), mixed, x)
-        return [x, outputs]
+        return self.State(x, outputs)
 
     def skip(self, state, l):
-        return state if l % 2 == 0 else [state[0], state[1] + [state[0]]]  # X_i is still recorded
+        return state if l % 2 == 0 else self.State(state.x, state.outputs + [state.x])  # X_i is still recorded
 
     def head(self, state, lm_head):
-        return lm_head(self.norm_f(state[0]))
+        return lm_head(self.norm_f(state.x))
 
     def value(self, state, l):
-        return state[0]
+        return state.x
 
     def tokens(self, state):
-        return [state[0], *state[1]]
+        return [state.x, *state.outputs]
 
     def stats(self, state, l):
         """Sublayer l = 2i (and the head, l = 2L) reads the DWA after block i: its weights over X_0..X_i
@@ -1356,8 +1289,12 @@ class ResidualScalars(PreNorm):
     prenorm's: x <- x + f(RMSNorm(x)) for its attention and MLP. Init (scalars_init): nanochat's, lam_i
     from 1.15 down to 1.05 and beta_i from 0.20 down to 0.05 linearly over depth, or modded-nanogpt's
     (1, 0). The multipliers lam train at scalars_lr_scale times the run's LR (nanochat: 1/100 of
-    beta's; a multiplier compounds over depth), beta at the run's LR; neither decays. The state is
-    [x, x0, y], y the scaled stream read() makes for the attention's write."""
+    beta's; a multiplier compounds over depth), beta at the run's LR; neither decays. The attention's
+    read makes the block's residual lam_i x + beta_i x0 and hands it to the write as its carry."""
+
+    class State(NamedTuple):
+        x: torch.Tensor  # the stream
+        x0: torch.Tensor  # RMSNorm(e), the lane each block mixes back in
     options = dict(
         scalars_init=("nanochat", "modded"),  # scalars: lam, beta from nanochat's depth ramps | modded: 1 and 0
         scalars_lr_scale=0.01,  # scalars: the multipliers lam at this times the run's LR (nanochat: 0.01)
@@ -1392,37 +1329,35 @@ class ResidualScalars(PreNorm):
 
     def embed(self, e):
         x0 = rms_norm(e, impl=self.impl)
-        return [x0, x0, None]
+        return self.State(x0, x0)
 
     def read(self, state, l):
-        x = state[0]
-        if l % 2 == 0:  # the block's residual: lam x + beta x0, kept for the attention's write
-            i = l // 2
-            x = state[2] = self.lam[i].to(x.dtype) * x + self.beta[i].to(x.dtype) * state[1]
-        return self.norms[l](x)
-
-    def write(self, state, l, out):
-        return [(state[2] if l % 2 == 0 else state[0]) + out, state[1], None]
-
-    def write_kept(self, state, l, out, route):
-        """A token that skips the attention keeps its stream: the scaling is part of that sublayer's write."""
-        x = state[0]
+        x = state.x
         if l % 2:
-            return [route.scatter_add(x, route.weigh(out)), state[1], None]
-        ran = route.ran(*x.shape[:2], x.device).unsqueeze(-1)
-        return [torch.where(ran, route.scatter_add(state[2], route.weigh(out)), x), state[1], None]
+            return self.norms[l](x), None
+        i = l // 2  # the attention's read: the block's residual lam x + beta x0, the carry its write adds to
+        residual = self.lam[i].to(x.dtype) * x + self.beta[i].to(x.dtype) * state.x0
+        return self.norms[l](residual), residual
 
-    def skip(self, state, l):
-        return [state[0], state[1], None]  # the scaled stream read() kept is dropped
+    def write(self, state, l, out, carry):
+        return self.State((state.x if l % 2 else carry) + out, state.x0)
+
+    def write_kept(self, state, l, out, carry, route):
+        """A token that skips the attention keeps its stream: the scaling is part of that sublayer's write."""
+        x = state.x
+        if l % 2:
+            return self.State(route.scatter_add(x, route.weigh(out)), state.x0)
+        ran = route.ran(*x.shape[:2], x.device).unsqueeze(-1)
+        return self.State(torch.where(ran, route.scatter_add(carry, route.weigh(out)), x), state.x0)
 
     def head(self, state, lm_head):
-        return lm_head(self.norm_f(state[0]))
+        return lm_head(self.norm_f(state.x))
 
     def value(self, state, l):
-        return state[0]
+        return state.x
 
     def tokens(self, state):
-        return state[:2]
+        return [state.x, state.x0]
 
     def stats(self, state, l):
         if l % 2 or l >= len(self.norms):
@@ -1442,8 +1377,12 @@ class MUDD(Residual):
     is prenorm: h = x_r + attn(...), X_{i+1} = h + MLP(RMSNorm(h)). The hidden width of W1 is
     (ways (i+2) // 64 + 1) * 64, four times the ways for the last block's (the released model's
     round64 and expand_last). Init (the JAX code): W1 normal with std 1/sqrt(d), W2 = 0, static weight 1
-    on the newest output and 0 elsewhere: every way is X_{i+1}, the model starts as prenorm.
-    The state is [x, outputs, ways]: the residual way, X_0..X_i, and the next attention's (q, k, v) inputs."""
+    on the newest output and 0 elsewhere: every way is X_{i+1}, the model starts as prenorm."""
+
+    class State(NamedTuple):
+        x: torch.Tensor  # the residual way x_r: what the next block adds to (after the last block, the head's input)
+        outputs: list  # X_0 (the embedding), .., X_i: the outputs of the blocks so far
+        qkv: Optional[tuple]  # the next attention's query, key and value ways (mudd_ways=4), else None
     options = dict(
         mudd_ways=(4, 1),  # mudd: 4: query, key, value and residual ways (the paper's) | 1: the residual way only
     )
@@ -1490,14 +1429,13 @@ class MUDD(Residual):
         return [*self.w1, *self.w2]  # projections of the newest output
 
     def embed(self, e):
-        return [e, [e], None]
+        return self.State(e, [e], None)
 
     def read(self, state, l):
-        x, ways = state[0], state[2]
-        if l % 2 or ways is None:
-            return self.norms[l](x)
-        i = l // 2
-        return self.norms[l](ways[0]), self.key_norms[i - 1](ways[1]), self.value_norms[i - 1](ways[2])
+        if l % 2 or state.qkv is None:
+            return self.norms[l](state.x), None
+        i, (q, k, v) = l // 2, state.qkv
+        return (self.norms[l](q), self.key_norms[i - 1](k), self.value_norms[i - 1](v)), None
 
     def weights(self, x, i):
         """dw [..., C, i + 2] of block i's connection, from its output x."""
@@ -1505,24 +1443,24 @@ class MUDD(Residual):
         h = F.gelu(F.linear(rms_norm(x, impl=self.impl), self.w1[i].to(x.dtype)))
         return F.linear(h, self.w2[i].to(x.dtype)).unflatten(-1, (C, n)) + self.static[i].to(x.dtype)
 
-    def write(self, state, l, out):
-        x = state[0] + out
+    def write(self, state, l, out, carry):
+        x = state.x + out
         if l % 2 == 0:
-            return [x, state[1], None]
-        i = l // 2
-        outputs = state[1] + [x]
-        dw = self.weights(x, i)
-        mixed = [sum(dw[..., c, j, None] * X for j, X in enumerate(outputs)) for c in range(dw.size(-2))]
-        return [mixed[-1], outputs, tuple(mixed[:3]) if len(mixed) == 4 else None]
+            return self.State(x, state.outputs, None)
+        outputs = state.outputs + [x]
+        dw = self.weights(x, l // 2)
+        ways = [sum(dw[..., c, j, None] * X for j, X in enumerate(outputs)) for c in range(dw.size(-2))]
+        *qkv, x = ways  # (query, key, value,) residual: the last way is the residual
+        return self.State(x, outputs, tuple(qkv) if qkv else None)
 
     def head(self, state, lm_head):
-        return lm_head(self.norm_f(state[0]))
+        return lm_head(self.norm_f(state.x))
 
     def value(self, state, l):
-        return state[0]
+        return state.x
 
     def tokens(self, state):
-        return [state[0], *state[1], *(state[2] or ())]
+        return [state.x, *state.outputs, *(state.qkv or ())]
 
     def stats(self, state, l):
         """Sublayer l = 2i (and the head, l = 2L) reads block i-1's connection: its residual way's weights
@@ -1530,7 +1468,7 @@ class MUDD(Residual):
         i = l // 2
         if l % 2 or i == 0:
             return {}
-        outputs = state[1]
+        outputs = state.outputs
         return {"depth_weights": self.weights(outputs[-1], i - 1)[..., -1, :].float().flatten(0, -2).mean(0).tolist()}
 
 
@@ -1798,7 +1736,7 @@ class TopKMoD(MoD):
         """routing(): what sublayer l is routed on (None where it runs dense); scores: those so far."""
         if self.unit[l] is None:
             return None
-        return self.score(stream, state, stream.read(state, l), l)
+        return self.score(stream, state, stream.read(state, l)[0], l)
 
     def learn(self, x, u, route, ctx):
         pass
@@ -1816,7 +1754,7 @@ class NAGMoD(TopKMoD):
         return {}  # the score is the modulator's, which NAG counts
 
     def score(self, stream, state, x, l):
-        return stream.tangent(state[0], l).squeeze(-1)
+        return stream.tangent(state.direction, l).squeeze(-1)
 
     def routing_score(self, stream, state, l, scores):
         return self.score(stream, state, None, l)  # every sublayer's tangent, routed or not

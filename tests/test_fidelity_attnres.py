@@ -83,7 +83,7 @@ def reference_logits(model, idx, layers_per_block, record=None, **ablation):
 
     def sublayer(l, h):  # f_l(RMSNorm_l(h)), the pre-norm with its own learned weight
         x = rms_norm(h, mixer.norms[l].weight)
-        return model.sublayers[l](x, rope) if l % 2 == 0 else model.sublayers[l](x)
+        return model.sublayers[l](x, rope)[0] if l % 2 == 0 else model.sublayers[l](x)
 
     def read(l, sources):
         # sublayer 1 has the embedding alone: softmax gives it weight 1 (a sigmoid gate would scale it

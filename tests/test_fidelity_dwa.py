@@ -56,7 +56,7 @@ def reference_logits(model, idx, weights, k):
     accumulators = [[] for _ in range(k)]
     accumulators[0].append(x)
     for i in range(L):
-        x = x + model.sublayers[2 * i](rms_norm(x, stream.norms[2 * i].weight), rope)
+        x = x + model.sublayers[2 * i](rms_norm(x, stream.norms[2 * i].weight), rope)[0]
         x = x + model.sublayers[2 * i + 1](rms_norm(x, stream.norms[2 * i + 1].weight))
         group = accumulators[(i + 1) % k]
         group.append(x)

@@ -21,7 +21,7 @@ import plan
 import train
 from configurator import ConfigError, configure
 from fidelity import assert_same_gradients, perturb_backbone
-from model import GPT, GPTConfig, Modulator
+from model import GPT, NAG, GPTConfig, Modulator
 from run_config import DEFAULTS
 
 TOL = dict(rtol=1e-5, atol=1e-10)  # float64; the head's RMS epsilon (1e-6) is the only approximation
@@ -154,7 +154,7 @@ def reference_logits(model, idx, form, modulated=True):
     rms = e.square().mean(-1, keepdim=True).sqrt()
     r, s = e / rms, torch.log(rms) + stream.g_enc
     for l, sublayer in enumerate(model.sublayers):
-        u = sublayer(r, model.rope[:T]) if l % 2 == 0 else sublayer(r)
+        u = sublayer(r, model.rope[:T])[0] if l % 2 == 0 else sublayer(r)
         mod = stream.modulators[l]
         m = reference_modulator(r, mod.proj.weight, mod.proj.bias, mod.mix, mod.beta_raw) if modulated else 1.0
         a = stream.alpha[l] * m

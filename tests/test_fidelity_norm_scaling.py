@@ -21,7 +21,7 @@ def reference_logits(model, idx):
     stream, x, T = model.stream, model.wte(idx), idx.size(1)
     for l, sublayer in enumerate(model.sublayers):
         h = rms_norm(x, stream.norms[l].weight) / math.sqrt(l // 2 + 1)  # layer i = l // 2 + 1
-        x = x + (sublayer(h, model.rope[:T]) if l % 2 == 0 else sublayer(h))
+        x = x + (sublayer(h, model.rope[:T])[0] if l % 2 == 0 else sublayer(h))
     return model.lm_head(rms_norm(x, stream.norm_f.weight))[..., :model.config.vocab_size]
 
 

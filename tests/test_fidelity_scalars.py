@@ -27,7 +27,7 @@ def reference_logits(model, idx, resid_lambdas, x0_lambdas):
     x0 = x
     for i in range(model.config.n_layer):
         x = resid_lambdas[i] * x + x0_lambdas[i] * x0
-        x = x + model.sublayers[2 * i](rms_norm(x, stream.norms[2 * i].weight), rope)
+        x = x + model.sublayers[2 * i](rms_norm(x, stream.norms[2 * i].weight), rope)[0]
         x = x + model.sublayers[2 * i + 1](rms_norm(x, stream.norms[2 * i + 1].weight))
     return model.lm_head(rms_norm(x, stream.norm_f.weight))[..., :model.config.vocab_size]
 

@@ -165,7 +165,7 @@ def reference_logits(model, idx, mode, post_mult=2.0, repeat=20, transposed_writ
             A_r = A_r.transpose(-1, -2)
         u = sum(A_m[..., m, None] * X[:, :, m] for m in range(n))  # read
         x = rms_norm(u, P[f"stream.norms.{l}.weight"])  # the sublayer's own pre-norm
-        f = model.sublayers[l](x, rope) if l % 2 == 0 else model.sublayers[l](x)
+        f = model.sublayers[l](x, rope)[0] if l % 2 == 0 else model.sublayers[l](x)
         X = torch.stack([sum(A_r[..., m, j, None] * X[:, :, m] for m in range(n)) + B[..., j, None] * f
                          for j in range(n)], dim=2)  # write
     if mode == "mhc":
@@ -363,7 +363,7 @@ def test_hc_sublayer_l_reads_stream_l_mod_n_at_init():
         for norm in model.stream.norms:  # gains off 1, so that each sublayer's own norm shows
             norm.weight.uniform_(0.5, 1.5)
         for l in range(L):
-            u = model.stream.read([X, None, None], l)
+            u, _ = model.stream.read(X, l)
             read = [m for m in range(n) if torch.allclose(u, rms_norm(X[:, :, m], model.stream.norms[l].weight))]
             assert read == [l % n], f"sublayer {l} reads stream(s) {read}, not stream {l % n} (l mod n)"
     want = torch.zeros(L, n, dtype=torch.float64)
@@ -379,7 +379,7 @@ def write_map(model, l, post, res):
     row j of M is the new stream j."""
     n = model.config.hc_streams
     E = torch.eye(n, dtype=res.dtype).expand(*res.shape[:-2], n, n)
-    return model.stream.write([E, (torch.zeros_like(post), res), None], l, torch.zeros_like(E[..., 0, :]))[0]
+    return model.stream.write(E, l, torch.zeros_like(E[..., 0, :]), (torch.zeros_like(post), res))
 
 
 @pytest.mark.parametrize("options", [dict(residual="hc"), dict(residual="mhc", mhc_sinkhorn_repeat=1)],
@@ -394,14 +394,14 @@ def test_composite_gains_are_of_the_map_from_the_embedding(options, monkeypatch)
     model = randomise(GPT(tiny(**options)).double().eval())
     n, L = model.config.hc_streams, model.config.n_sublayers
     seen = {}
-    mixes = model.stream.mixes
+    pre_mix = model.stream.pre_mix
 
     def spy(X, l):  # every sublayer's coefficients, as stats() and read() compute them
-        out = mixes(X, l)
+        out = pre_mix(X, l)
         seen[l] = (out[1], out[2])
         return out
 
-    monkeypatch.setattr(model.stream, "mixes", spy)
+    monkeypatch.setattr(model.stream, "pre_mix", spy)
     idx = batch()
     with torch.no_grad():
         rows = model.diagnostics(idx)
@@ -523,10 +523,10 @@ def test_router_mod_leaves_skipped_tokens_streams_untouched(residual, monkeypatc
     calls = []
     real = model.stream.write_kept
 
-    def spy(state, l, out, route):
-        X = state[0].detach().clone()
-        new = real(state, l, out, route)
-        calls.append((X, route, new[0].detach().clone()))
+    def spy(X, l, out, carry, route):
+        X_before = X.detach().clone()
+        new = real(X, l, out, carry, route)
+        calls.append((X_before, route, new.detach().clone()))
         return new
 
     monkeypatch.setattr(model.stream, "write_kept", spy)
@@ -564,9 +564,9 @@ def test_bf16_autocast(options, monkeypatch):
     dtypes = []
     real = model.stream.write
 
-    def spy(state, l, out):
-        new = real(state, l, out)
-        dtypes.append((state[0].dtype, new[0].dtype))
+    def spy(X, l, out, carry):
+        new = real(X, l, out, carry)
+        dtypes.append((X.dtype, new.dtype))
         return new
 
     monkeypatch.setattr(model.stream, "write", spy)
@@ -611,7 +611,7 @@ def test_mhc_h_res_starts_near_the_identity(mhc_res):
     X = torch.randn(2, 8, 4, 16, generator=torch.Generator().manual_seed(0))
     for l in range(len(model.sublayers)):
         with torch.no_grad():
-            h_res = model.stream.mixes(X, l)[2]
+            h_res = model.stream.pre_mix(X, l)[2]
         diag = h_res.diagonal(dim1=-2, dim2=-1)
         # birkhoff 0.994 (the identity's 0.992 and the 5 others that fix a stream); sinkhorn e^2 / (e^2 + 3) = 0.71
         assert diag.min() > (0.99 if mhc_res == "birkhoff" else 0.7), (l, diag.min())

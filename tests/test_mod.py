@@ -179,7 +179,7 @@ def test_training_attention_runs_the_kept_tokens_in_order_at_their_own_positions
     with torch.no_grad():
         x = model.stream.embed(model.wte(idx))
         new = model._sublayer(x, 0, model._context(B * T))
-        h = model.stream.read(x, 0)
+        h, _ = model.stream.read(x, 0)
         score = model.mod.routers[0](h).squeeze(-1)
         pos = score.topk(k, dim=1).indices.sort(dim=1).values
         gathered = h.gather(1, pos[..., None].expand(-1, -1, h.size(-1)))
@@ -427,12 +427,12 @@ def test_gated_attention_masks_keys_where_the_published_query_axis_does_nothing(
     B, T, C = 1, 8, 32
     x, rope = torch.randn(B, T, C), rope_table(16, T)
     with torch.no_grad():
-        free = attn(x, rope)
-        torch.testing.assert_close(attn(x, rope, Visibility(key_bias=torch.zeros(B, T))), free)
+        free = attn(x, rope)[0]
+        torch.testing.assert_close(attn(x, rope, Visibility(key_bias=torch.zeros(B, T)))[0], free)
         gate = torch.ones(B, T)
         gate[0, 2], gate[0, 5] = 0.0, 1e-3
         bias = torch.where(gate > 0, gate.clamp(1e-6, 1).log(), float("-inf"))
-        gated = attn(x, rope, Visibility(key_bias=bias))
+        gated = attn(x, rope, Visibility(key_bias=bias))[0]
         assert gated.isfinite().all()  # query 2 still sees itself
         torch.testing.assert_close(gated[:, :2], free[:, :2])  # queries before the gated key
         assert (gated[0, 3:] - free[0, 3:]).abs().amax(-1).min() > 1e-3  # every later query changed

@@ -9,6 +9,7 @@ import collections
 import os
 import sys
 from dataclasses import asdict
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -41,12 +42,12 @@ class ReZero(Residual):
         return e
 
     def read(self, x, l):
-        return x
+        return x, None
 
-    def write(self, x, l, out):
+    def write(self, x, l, out, carry):
         return x + self.alpha[l].to(x.dtype) * out
 
-    def write_kept(self, x, l, out, route):
+    def write_kept(self, x, l, out, carry, route):
         return route.scatter_add(x, route.weigh(self.alpha[l].to(out.dtype) * out))
 
     def head(self, x, lm_head):
@@ -60,8 +61,13 @@ class DepthWeighted(Residual):
     """A depth-weighted average after every sublayer (DenseFormer's DWA, per sublayer): sublayer l reads
     RMSNorm(Y_l) and adds its output, X_{l+1} = Y_l + f_l, and the stream becomes
     Y_{l+1} = sum_{j <= l+1} alpha[l, j] X_j over X_0 = the embedding and every X since. alpha [2L, 2L+1]
-    starts as the identity (alpha[l, l+1] = 1), so the model starts as prenorm. The state is
-    [Y, X_0, X_1, ...]: a history that grows by one per sublayer, skipped or not."""
+    starts as the identity (alpha[l, l+1] = 1), so the model starts as prenorm. The history grows by one
+    per sublayer, skipped or not."""
+
+    class State(NamedTuple):
+        y: torch.Tensor  # the stream a sublayer reads
+        history: list  # X_0 (the embedding), X_1, ..: the stream after each sublayer's output, before its mix
+
     mods, ops, starts_as = ("router",), ("rms_norm",), "prenorm"
     vector_flops = ("dwa_mix",)  # a weighted sum over the history: broadcasts, not a matmul
 
@@ -84,37 +90,37 @@ class DepthWeighted(Residual):
         return [self.alpha]  # mixing weights, as DenseFormer's
 
     def embed(self, e):
-        return [e, e]
+        return self.State(e, [e])
 
     def read(self, state, l):
-        return self.norms[l](state[0])
+        return self.norms[l](state.y), None
 
     def mix(self, history, l):
         H = torch.stack(history)
         w = self.alpha[l, :len(history)].to(H.dtype)
         return (w.view(-1, *[1] * (H.dim() - 1)) * H).sum(0)
 
-    def write(self, state, l, out):
-        history = state[1:] + [state[0] + out]
-        return [self.mix(history, l)] + history
+    def write(self, state, l, out, carry):
+        history = state.history + [state.y + out]
+        return self.State(self.mix(history, l), history)
 
-    def write_kept(self, state, l, out, route):
-        x = route.scatter_add(state[0], route.weigh(out))  # a skipped token's X_{l+1} is its Y_l
-        history = state[1:] + [x]
+    def write_kept(self, state, l, out, carry, route):
+        x = route.scatter_add(state.y, route.weigh(out))  # a skipped token's X_{l+1} is its Y_l
+        history = state.history + [x]
         ran = route.ran(*x.shape[:2], x.device).unsqueeze(-1)
-        return [torch.where(ran, self.mix(history, l), state[0])] + history
+        return self.State(torch.where(ran, self.mix(history, l), state.y), history)
 
     def skip(self, state, l):
-        return [state[0]] + state[1:] + [state[0]]  # the history still grows: X_{l+1} = Y_l
+        return self.State(state.y, state.history + [state.y])  # the history still grows: X_{l+1} = Y_l
 
     def head(self, state, lm_head):
-        return lm_head(self.norm_f(state[0]))
+        return lm_head(self.norm_f(state.y))
 
     def value(self, state, l):
-        return state[0]
+        return state.y
 
     def tokens(self, state):
-        return list(state)
+        return [state.y, *state.history]
 
 
 @pytest.fixture(autouse=True)
@@ -233,7 +239,7 @@ def test_checkpoint_round_trip(residual, tmp_path):
 
 
 def dtypes(state):
-    """The dtypes of every tensor in a stream state (a tensor, or tuples and lists of them)."""
+    """The dtypes of every tensor in a stream state (a tensor, or NamedTuples, tuples and lists of them)."""
     if torch.is_tensor(state):
         return {state.dtype}
     return set().union(*(dtypes(s) for s in state)) if isinstance(state, (list, tuple)) else set()
@@ -246,8 +252,8 @@ def test_bf16_autocast_keeps_the_stream_dtype(residual, monkeypatch):
     model = make(residual)
     seen, write = [], model.stream.write
 
-    def recording_write(state, l, out):
-        state = write(state, l, out)
+    def recording_write(state, l, out, carry):
+        state = write(state, l, out, carry)
         seen.append(dtypes(state))
         return state
 
@@ -329,12 +335,12 @@ def check_skip(residual):
     with torch.no_grad():
         state = stream.embed(model.wte(tokens(T=T)))
         for l in range(len(model.sublayers)):
-            stream.read(state, l)
+            _, carry = stream.read(state, l)
             out = torch.randn(B, T, d, generator=g)
             nobody = Route(torch.arange(T).expand(B, T), executed=0, valid=torch.zeros(B, T, 1, dtype=torch.bool))
             nobody.score = torch.rand(B, T, 1, generator=g)  # what a top-k route carries (mod=nag writes with it)
             before = [t.clone() for t in stream.tokens(state)]
-            kept = stream.tokens(stream.write_kept(state, l, out, nobody))
+            kept = stream.tokens(stream.write_kept(state, l, out, carry, nobody))
             skipped = stream.tokens(stream.skip(state, l))
             assert len(kept) == len(skipped), (
                 f"{residual}, sublayer {l}: skip() leaves {len(skipped)} per-token tensors, write_kept() with no "
@@ -344,7 +350,7 @@ def check_skip(residual):
                                            f"differ in tensor {i}: override skip() to do what write_kept does")
             for i, (a, b) in enumerate(zip(before, skipped)):
                 assert torch.equal(a, b), f"{residual}, sublayer {l}: skip() changed tensor {i} of the stream"
-            state = stream.write(state, l, out)
+            state = stream.write(state, l, out, carry)
 
 
 class ElementCounter(TorchDispatchMode):
@@ -402,8 +408,8 @@ def stream_flops(residual, monkeypatch, B=3, T=7):
     with torch.no_grad(), counter:
         state = model.stream.embed(model.wte(torch.randint(0, 65, (B, T))))
         for l in range(len(model.sublayers)):
-            model.stream.read(state, l)
-            state = model.stream.write(state, l, outs[l])
+            _, carry = model.stream.read(state, l)
+            state = model.stream.write(state, l, outs[l], carry)
         model.stream.head(state, model.lm_head)
     monkeypatch.undo()
     return counter.flops["matmul"] / (B * T), counter.flops["vector"] / (B * T)
