@@ -336,7 +336,7 @@ class RunKeeper:
 
     def abort_message(self):
         """A second signal (one process): the run exits at once, writing nothing more."""
-        return (f"stopped at once by a second signal: no checkpoint written for this stop" + self.kept()
+        return ("stopped at once by a second signal: no checkpoint written for this stop" + self.kept()
                 + (f". Resume with: {self.resume()}" if self.saved else ""))
 
     def interrupted(self, signum, iter_num, eval_due):

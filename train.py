@@ -18,7 +18,6 @@ prints the resume command; a second one exits at once (under DDP the ranks agree
 iterations, so the stop may come up to log_interval steps later).
 """
 
-
 import contextlib
 import json
 import os
