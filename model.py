@@ -4,11 +4,11 @@ nanodepth: one GPT whose residual stream is switchable.
 Read top to bottom. The first part is a complete GPT with the default residual mode, prenorm: the
 config, the backbone (RMSNorm, RoPE, attention, MLP), the residual seam and PreNorm, then GPT. A
 reader of the default model can stop there. Then come the other residual modes (each one class that
-carries everything about itself: its options, the MoD modes it works with, the FLOPs it adds, the
-fused ops it uses, and its state: a tensor, or a NamedTuple of its own, State), then
-Mixture-of-Depths, then the attention extras MoD and generation need. Which parameter each optimizer
-trains is optim.py's, from the modes' declarations (GPT.configure_optimizers calls it).
-README.md's "The residual modes" and "Mixture-of-Depths" say what each mode is for.
+carries everything about itself: its options, the MoD modes it works with, the FLOPs it adds, the fused
+ops it uses, its state: a tensor or a NamedTuple of its own), Mixture-of-Depths, a look inside (diagnose,
+routing), and generation (sample, KV caches, what attention sees under MoD). optim.py puts each parameter
+in its optimizer's group from the modes' declarations. README.md's "The residual modes" and
+"Mixture-of-Depths" say what each mode is for.
 """
 
 import itertools
@@ -55,14 +55,7 @@ class GPTConfig:
             raise ValueError(f"unknown kernels '{self.kernels}'; valid: {', '.join(IMPLS)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        if not 0.0 <= self.mod_rate < 1.0:
-            raise ValueError(f"mod_rate must be in [0, 1), got {self.mod_rate}")
-        if self.value_residual not in VALUE_RESIDUALS:
-            raise ValueError(f"unknown value_residual {self.value_residual!r}; valid: {', '.join(VALUE_RESIDUALS)}")
-        if self.value_residual != "none" and self.mod != "none":
-            raise ValueError(f"value_residual={self.value_residual} needs every token to run the first attention "
-                             f"sublayer, whose values the later ones mix in: use mod=none or value_residual=none")
-        check_modes(self)  # the modes and their options, from the modes' own declarations (end of file)
+        check_modes(self)  # mod_rate, value_residual, the modes and their options (end of file)
 
     @property
     def n_sublayers(self):
@@ -153,11 +146,10 @@ class CausalSelfAttention(nn.Module):
             self.value_lambda = nn.Parameter(torch.tensor(0.5))
 
     def forward(self, x, rope, visibility=None, v1=None):
-        """x [B, T, C] in order, or a tuple of three (query, key and value inputs: a residual mode's
-        per-way read). visibility (MoD and generation, see Visibility): which keys each
-        query sees beyond causality, and the KV cache; None: plain causal attention. v1: the first
-        attention sublayer's values (value_residual; None without it). Returns the output and v1 (the
-        first sublayer returns its own values, for the others)."""
+        """x [B, T, C] in order, or a tuple of three (query, key and value inputs: a residual mode's per-way
+        read). visibility (MoD and generation, see Visibility): which keys each query sees beyond causality,
+        and the KV cache; None: plain causal attention. v1: the first attention sublayer's values
+        (value_residual). Returns the output and v1 (the first sublayer's own values, for the others)."""
         if isinstance(x, tuple):  # a per-way read (mudd): the query, key and value inputs apart
             (B, T, C), (xq, xk, xv) = x[0].size(), x
             qk = torch.stack([F.linear(xi, w) for xi, w in zip((xq, xk), self.c_attn.weight.split(C))], 2)
@@ -202,37 +194,29 @@ class MLP(nn.Module):
 class Residual(nn.Module):
     """A residual mode: how the stream is built, what each sublayer reads, how its output is written
     back, what the LM head reads. GPT calls (l = 0..2L-1 is the sublayer; state is the stream: a tensor,
-    or the mode's own NamedTuple, its State):
-      embed(e) -> state                    the stream from the token embedding e
-      read(state, l) -> (x, carry)         x: what sublayer l takes as input (an attention sublayer's may
-                                           be a tuple of its query, key and value inputs: mudd's per-way
-                                           read). carry: what the write needs from this read, None for
-                                           most modes (hc, mhc: H_post and H_res; scalars: the block's
-                                           residual). A read leaves the state as it is
-      write(state, l, out, carry) -> state      sublayer l's output written back
+    or the mode's own NamedTuple, State):
+      embed(e) -> state                        the stream from the token embedding e
+      read(state, l) -> (x, carry)             x: sublayer l's input (an attention sublayer's may be its
+                                               query, key and value inputs: mudd); carry: what the write
+                                               needs from this read (hc, mhc: H_post, H_res; scalars: the
+                                               block's residual), else None. A read leaves the state as it is
+      write(state, l, out, carry) -> state     sublayer l's output written back
       head(state, lm_head) -> logits
-      write_kept(state, l, out, carry, route)   Mixture-of-Depths: the write of a sublayer that ran
-                                           only the tokens of `route`
-      skip(state, l) -> state              the same when no token ran sublayer l
-    Diagnostics and tests call, never the forward pass:
-      value(state, l) -> x                 the stream as sublayer l sees it, [B, T, d] (l = 2L: the head)
-      stats(state, l) -> dict              the mode's own figures
-      tokens(state) -> [tensor]            every per-token tensor the stream keeps, [B, T, ...] each
-    It declares what config checks, flops.py, the optimizer and the tests ask it, next to its code: the
-    class attributes below, flops(config) (the forward FLOPs per token it adds beyond the backbone, by
-    name: every registered class defines its own, flops.py refuses to guess), check(config) (its own
-    checks of its options: one-line errors that name the fix), and which of its parameters decay, train
-    at their own LR or stay out of Muon: no_decay_parameters() (every registered class with parameters
-    defines its own), decay_parameters(), mixing_parameters(), lr_groups(), as optim.py reads them.
+      write_kept(state, l, out, carry, route)  MoD: the write of a sublayer that ran only route's tokens
+      skip(state, l) -> state                  MoD: the same when no token ran sublayer l
+    Diagnostics and tests, never the forward pass, call value(state, l) (the stream as sublayer l sees
+    it, [B, T, d]; l = 2L: the head), stats(state, l) (the mode's own figures), tokens(state) (every
+    per-token tensor the state keeps) and perturb(std, generator) (every parameter moved off its init).
+    Config checks, flops.py, the optimizer and the tests ask it what it declares next to its code: the
+    class attributes below; flops(config), the forward FLOPs per token it adds beyond the backbone (every
+    registered class defines its own); check(config), its options' checks; and, read by optim.py,
+    no_decay_parameters() (a class with parameters has its own), decay_parameters(), mixing_parameters(), lr_groups().
     The rules a mode keeps, each held by a generic test (tests/test_new_mode.py, tests/test_mod.py):
-      - MoD: a token that skips sublayer l keeps its stream bit for bit. write_kept leaves the skipped
-        tokens exactly as skip() leaves every token, and skip() changes nothing the state already
-        held for any token: it may only append (attnres records a 0 output).
-      - Override skip() when the state carries per-layer work (a history of outputs, a source list):
-        the default returns the state as is, right only when a write changes nothing but the tokens' values.
-      - Override value() and tokens() when the state is not one [B, T, d] tensor.
-      - Override perturb() when a parameter has a valid region that its parameterisation does not
-        keep: the generic tests move every parameter off init with it.
+      - MoD: a token that skips sublayer l keeps its stream bit for bit: write_kept leaves it exactly as skip()
+        leaves every token, and skip() changes nothing the state held: it may only append (attnres: a 0 output).
+      - Override skip() when the state carries per-layer work (a history of outputs, a source list),
+        value() and tokens() when the state is not one [B, T, d] tensor, and perturb() when a parameter
+        has a valid region that its parameterisation does not keep.
     Optional hooks, no-ops here: set_warmup(scale) before each iteration, after_step(skipped) after
     each optimizer step, describe() for train.py's banner. A new mode is a subclass and one line in RESIDUALS."""
     options = {}  # its GPTConfig keys: name=default, or name=(valid values, the default first)
@@ -242,9 +226,7 @@ class Residual(nn.Module):
     routed_flops = ()  # the terms spent only on the tokens a sublayer runs (MoD scales them by the executed fraction)
     embed_std = 0.02  # the token embedding's init std
     scaled_init = True  # GPT-2's init of the sublayers' output projections, std 0.02 / sqrt(2L)
-    # the mode whose logits it gives at init with the same backbone weights and its default options
-    # ("prenorm"), or None; a generic test holds it to that (norm_scaling sets its instance's own)
-    starts_as = None
+    starts_as = None  # the mode whose logits it gives at init ("prenorm"), held by a test; norm_scaling sets its own
 
     @staticmethod
     def check(config):
@@ -311,10 +293,9 @@ class PreNorm(Residual):
         super().__init__()
         self.norms = nn.ModuleList(RMSNorm(config.n_embd, config.kernels) for _ in range(config.n_sublayers))
         self.norm_f = RMSNorm(config.n_embd, config.kernels)
-        scaling = config.norm_scaling
+        scaling = config.norm_scaling  # layer i = l // 2 + 1 reads RMSNorm(x) / sqrt(i); no scaled init
         self.scales = [1.0 / math.sqrt(l // 2 + 1) for l in range(config.n_sublayers)] if scaling else None
-        self.scaled_init = not scaling
-        self.starts_as = None if scaling else type(self).starts_as  # scaled reads are not prenorm's
+        self.scaled_init, self.starts_as = not scaling, None if scaling else type(self).starts_as
 
     def embed(self, e):
         return e
@@ -355,9 +336,10 @@ class GPT(nn.Module):
             CausalSelfAttention(config, first=l == 0) if l % 2 == 0 else MLP(config) for l in range(config.n_sublayers))
         self.stream = RESIDUALS[config.residual](config)
         self.mod = MODS[config.mod](config) if MODS[config.mod] else None
+        # whether a training step may leave some parameters without a gradient (DDP must be told)
+        self.unused_parameters = self.mod is not None and self.mod.unused_parameters
         self.lm_head = nn.Linear(d, V, bias=False)
         self.register_buffer("rope", rope_table(d // config.n_head, config.block_size), persistent=False)
-
         self.apply(self._init_weights)
         # scaled init of each sublayer's output projection (GPT-2 / nanoGPT), unless the mode drops it
         for name, p in self.named_parameters():
@@ -376,9 +358,7 @@ class GPT(nn.Module):
         """Parameter count. The token embedding is a lookup (no FLOPs), so non_embedding leaves
         it out; the untied LM head is a real matmul and stays in."""
         n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            n -= self.wte.weight.numel()
-        return n
+        return n - self.wte.weight.numel() if non_embedding else n
 
     def forward(self, idx, targets=None):
         B, T = idx.size()
@@ -389,14 +369,12 @@ class GPT(nn.Module):
         for l in range(len(self.sublayers)):
             state = self._sublayer(state, l, ctx)
         self._finish(ctx)
-        if targets is None:
-            # inference: only the last position's logits are needed
+        if targets is None:  # inference: only the last position's logits are needed
             state = _last_position(state)
         logits = self.stream.head(state, self.lm_head)[..., :self.config.vocab_size]
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
-                                   ignore_index=-1)
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
             aux = self.mod.aux_loss(ctx) if self.training and self.mod is not None else None
             if aux is not None:  # skip_middle's sparsity penalty; the router predictors' BCE (value 0)
                 loss = loss + aux
@@ -428,9 +406,8 @@ class GPT(nn.Module):
         return out
 
     def _context(self, tokens, update_tau=False, pos=0, caches=None):
-        """What one forward pass carries besides the stream: the first position (generation),
-        the KV caches, routing state, the tokens each sublayer ran (executed), and the first attention
-        sublayer's values (v1, value_residual)."""
+        """What one forward pass carries besides the stream: the first position and KV caches (generation),
+        routing state, the tokens each sublayer ran (executed), the first attention's values (v1)."""
         return {"tokens": tokens, "pos": pos, "caches": caches, "update_tau": update_tau,
                 "executed": [tokens] * len(self.sublayers), "v1": None}
 
@@ -442,44 +419,18 @@ class GPT(nn.Module):
         """Per sublayer, the fraction of tokens that ran it in the last forward pass."""
         return [float(e) / self.last_tokens for e in self.last_executed]
 
-    @torch.no_grad()
     def diagnostics(self, idx):
-        """Per sublayer l: the RMS of the stream entering it (nag: e^s), the relative size of its update
-        ||x_{l+1} - x_l|| / ||x_l||, the fraction of tokens that ran it (MoD, under the model's current
-        train or eval routing), and the mode's own figures (its stats(): nag's gate health, attnres's
-        depth weights). For attnres the "stream" is the depth mix a sublayer reads."""
-        B, T = idx.shape
-        ctx = self._context(B * T)
-        state = self.stream.embed(self.wte(idx))
-        rows = []
-        for l in range(len(self.sublayers)):
-            x_in = self.stream.value(state, l).float()
-            row = {"sublayer": l + 1, "kind": "attn" if l % 2 == 0 else "mlp",
-                   "rms": x_in.square().mean().sqrt().item()}
-            row.update(self.stream.stats(state, l))
-            state = self._sublayer(state, l, ctx)
-            x_out = self.stream.value(state, l + 1).float()
-            row["update"] = ((x_out - x_in).norm(dim=-1) / x_in.norm(dim=-1)).mean().item()
-            row["executed"] = float(ctx["executed"][l]) / (B * T)
-            rows.append(row)
-        head = self.stream.value(state, len(self.sublayers)).float()
-        rows.append({"sublayer": len(self.sublayers) + 1, "kind": "head", "rms": head.square().mean().sqrt().item(),
-                     **self.stream.stats(state, len(self.sublayers))})
-        if any("dead" in row for row in rows):  # nag: how many branches are dead
-            rows[-1]["dead"] = sum(row.get("dead", 0.0) for row in rows[:-1])
-        return rows
+        """Per sublayer: the stream's RMS, its update's size, the tokens that ran it, the mode's figures."""
+        return diagnose(self, idx)
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, gate_lr_scale=1.0, gate_decay=False,
-                             muon=None):
-        """nanoGPT's entry point: the optimizer; optim.py puts each parameter in its group, from the modes'
-        declarations (no_decay_parameters() ...)."""
+    def configure_optimizers(self, weight_decay, learning_rate, betas, gate_lr_scale=1.0, gate_decay=False, muon=None):
+        """nanoGPT's: the optimizer; optim.py puts each parameter in its group, from the modes' declarations."""
         return optim.configure_optimizers(self, weight_decay, learning_rate, betas, gate_lr_scale, gate_decay, muon)
 
     @torch.no_grad()
     def after_step(self, skipped=None):
-        """Call after each optimiser step. skipped: a 0-d device tensor, > 0 when the step was skipped
-        (non-finite gradients); a mode's own update then keeps its state. Modes with such an update
-        (skip_middle's sparsity controller) all-reduce their statistics over DDP ranks inside."""
+        """Call after each optimiser step. skipped: a 0-d device tensor, > 0 when the step was skipped (non-finite
+        gradients): a mode's own update (skip_middle's controller, DDP-pooled inside) then keeps its state."""
         self.stream.after_step(skipped)
         if self.mod is not None:
             self.mod.after_step(skipped)
@@ -488,59 +439,15 @@ class GPT(nn.Module):
         """A mode's warm-up scale in [0, 1], set before each iteration (nag: alpha's token warm-up)."""
         self.stream.set_warmup(scale)
 
-    @property
-    def unused_parameters(self):
-        """Whether a training step may leave some parameters without a gradient (DDP must be told)."""
-        return self.mod is not None and self.mod.unused_parameters
-
     def describe(self):
         """One line: the modes and the shape, for train.py's banner."""
         c = self.config
         mod = f" + mod={c.mod} at mod_rate {c.mod_rate:g}" if c.mod != "none" else ""
         return f"{c.residual}{mod}: {c.n_layer} layers{self.stream.describe()}, {c.n_embd} wide"
 
-    @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, kv_cache=True):
-        """Sample max_new_tokens after idx (LongTensor [B, T]). With kv_cache, each new token runs
-        alone through the sublayers it is routed to, against caches that hold only the tokens each
-        attention sublayer ran; when a cache fills up (block_size positions) it restarts from the
-        last block_size / 2 tokens. Without it, every step recomputes the context cropped to
-        block_size. self.generate_stats counts, per sublayer, the tokens that ran it."""
-        executed, n = [0] * len(self.sublayers), 0
-        caches, pos = None, 0
-        for _ in range(max_new_tokens):
-            if not kv_cache:
-                idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
-                logits, _ = self(idx_cond)
-                step = idx_cond.numel()
-            elif caches is None or pos == self.config.block_size:
-                window = idx[:, -(self.config.block_size if caches is None else self.config.block_size // 2):]
-                caches = [KVCache(self.config.block_size) if l % 2 == 0 else None for l in range(len(self.sublayers))]
-                logits, pos, step = self._step(window, caches, 0), window.size(1), window.numel()
-            else:
-                logits, pos, step = self._step(idx[:, -1:], caches, pos), pos + 1, idx.size(0)
-            executed, n = [a + float(b) for a, b in zip(executed, self.last_executed)], n + step
-            logits = logits[:, -1, :]
-            if temperature == 0:
-                idx_next = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                    logits[logits < v[:, [-1]]] = -float("inf")
-                idx_next = torch.multinomial(F.softmax(logits.float(), dim=-1), num_samples=1)
-            idx = torch.cat((idx, idx_next), dim=1)
-        self.generate_stats = {"executed": executed, "tokens": n}
-        return idx
-
-    def _step(self, idx, caches, pos):
-        """Logits of the last of the tokens idx [B, t] at positions pos.., appended to the caches."""
-        ctx = self._context(idx.numel(), pos=pos, caches=caches)
-        state = self.stream.embed(self.wte(idx))
-        for l in range(len(self.sublayers)):
-            state = self._sublayer(state, l, ctx)
-        self._finish(ctx)
-        return self.stream.head(_last_position(state), self.lm_head)[..., :self.config.vocab_size]
+        """nanoGPT's: max_new_tokens sampled after idx (LongTensor [B, T]); sample() below, with KV caches."""
+        return sample(self, idx, max_new_tokens, temperature, top_k, kv_cache)
 
 
 def _last_position(state):
@@ -936,7 +843,7 @@ class HyperConnections(Residual):
         self.norms = nn.ModuleList(RMSNorm(d, config.kernels) for _ in range(L))
         self.norm_f = RMSNorm(d, config.kernels)
         self.init_mixing(config)
-        self.composite = None  # diagnostics: the product of the H_res so far in a diagnostics() pass (stats())
+        self.composite = None  # diagnostics: the product of the H_res so far in a diagnose() pass (stats())
 
     def init_mixing(self, config):
         """The parameters the coefficients come from, at the paper's init."""
@@ -1008,8 +915,8 @@ class HyperConnections(Residual):
         from the embedding through sublayer l (the product of the mixes so far, this sublayer's
         included; the head: all of them): its max row sum "gain_fwd" (how much a signal can grow
         going up) and max column sum "gain_bwd" (a gradient going down), |entries|, each averaged over
-        tokens. mHC keeps both at 1; hc's may drift. MoD's skips are not in the product. GPT.diagnostics
-        calls it for l = 0, 1, .., 2L in order; the product so far is self.composite."""
+        tokens. mHC keeps both at 1; hc's may drift. MoD's skips are not in the product. diagnose() calls
+        it for l = 0, 1, .., 2L in order; the product so far is self.composite."""
         Xf = upcast(X)
         unit = F.normalize(Xf, dim=-1)
         cos = unit @ unit.transpose(-1, -2)
@@ -1126,12 +1033,12 @@ class MHC(HyperConnections):
         """(u, h_post, h_res) as hc's, from one projection of the streams."""
         proj = F.linear(X.flatten(-2), self.phi[l].to(X.dtype))
         if self.birkhoff:
-            return self.birkhoff_mixes(X, proj, l)
+            return self.birkhoff_pre_mix(X, proj, l)
         u, post, res_logits = mhc_pre_mix(X, proj, self.scale[l], self.base[l], post_mult=self.post_mult,
                                           impl=self.impl)
         return u, post, sinkhorn(res_logits, self.repeat, impl=self.impl)
 
-    def birkhoff_mixes(self, X, proj, l):
+    def birkhoff_pre_mix(self, X, proj, l):
         """mhc_res=birkhoff (mHC-lite, arXiv 2601.05732): H_res = sum_k softmax(c_res)_k P_k over the n!
         permutation matrices P_k, doubly stochastic exactly, no iterations; c_res = scale_res * proj_res *
         rsqrt(mean(vec(X)^2) + eps) + base_res, the same normalisation as the other coefficients. The read
@@ -1989,9 +1896,38 @@ class SkipMiddle(MoD):
             coef.add_(torch.where(gap.abs() > self.tolerance, self.eta * gap, 0.0))  # nan > x is False
 
 
-
-
 MODS = {"none": None, "nag": NAGMoD, "router": RouterMoD, "skip_middle": SkipMiddle}
+
+
+# -----------------------------------------------------------------------------
+# looking inside a model: what each sublayer does to the stream, and which tokens ran it
+
+@torch.no_grad()
+def diagnose(model, idx):
+    """Per sublayer l: the RMS of the stream entering it (nag: e^s), the relative size of its update
+    ||x_{l+1} - x_l|| / ||x_l||, the fraction of tokens that ran it (MoD, under the model's current
+    train or eval routing), and the mode's own figures (its stats(): nag's gate health, attnres's
+    depth weights). For attnres the "stream" is the depth mix a sublayer reads."""
+    B, T = idx.shape
+    ctx = model._context(B * T)
+    state = model.stream.embed(model.wte(idx))
+    rows = []
+    for l in range(len(model.sublayers)):
+        x_in = model.stream.value(state, l).float()
+        row = {"sublayer": l + 1, "kind": "attn" if l % 2 == 0 else "mlp",
+               "rms": x_in.square().mean().sqrt().item()}
+        row.update(model.stream.stats(state, l))
+        state = model._sublayer(state, l, ctx)
+        x_out = model.stream.value(state, l + 1).float()
+        row["update"] = ((x_out - x_in).norm(dim=-1) / x_in.norm(dim=-1)).mean().item()
+        row["executed"] = float(ctx["executed"][l]) / (B * T)
+        rows.append(row)
+    head = model.stream.value(state, len(model.sublayers)).float()
+    rows.append({"sublayer": len(model.sublayers) + 1, "kind": "head", "rms": head.square().mean().sqrt().item(),
+                 **model.stream.stats(state, len(model.sublayers))})
+    if any("dead" in row for row in rows):  # nag: how many branches are dead
+        rows[-1]["dead"] = sum(row.get("dead", 0.0) for row in rows[:-1])
+    return rows
 
 
 @torch.no_grad()
@@ -2018,7 +1954,52 @@ def routing(model, idx):
 
 
 # -----------------------------------------------------------------------------
-# attention under MoD and in generation: which keys each query sees
+# generation (KV caches), and attention under MoD: which keys each query sees
+
+@torch.no_grad()
+def sample(model, idx, max_new_tokens, temperature=1.0, top_k=None, kv_cache=True):
+    """Sample max_new_tokens after idx (LongTensor [B, T]). With kv_cache, each new token runs
+    alone through the sublayers it is routed to, against caches that hold only the tokens each
+    attention sublayer ran; when a cache fills up (block_size positions) it restarts from the
+    last block_size / 2 tokens. Without it, every step recomputes the context cropped to
+    block_size. model.generate_stats counts, per sublayer, the tokens that ran it."""
+    executed, n = [0] * len(model.sublayers), 0
+    caches, pos = None, 0
+    for _ in range(max_new_tokens):
+        if not kv_cache:
+            idx_cond = idx if idx.size(1) <= model.config.block_size else idx[:, -model.config.block_size:]
+            logits, _ = model(idx_cond)
+            step = idx_cond.numel()
+        elif caches is None or pos == model.config.block_size:
+            window = idx[:, -(model.config.block_size if caches is None else model.config.block_size // 2):]
+            caches = [KVCache(model.config.block_size) if l % 2 == 0 else None for l in range(len(model.sublayers))]
+            logits, pos, step = cached_step(model, window, caches, 0), window.size(1), window.numel()
+        else:
+            logits, pos, step = cached_step(model, idx[:, -1:], caches, pos), pos + 1, idx.size(0)
+        executed, n = [a + float(b) for a, b in zip(executed, model.last_executed)], n + step
+        logits = logits[:, -1, :]
+        if temperature == 0:
+            idx_next = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float("inf")
+            idx_next = torch.multinomial(F.softmax(logits.float(), dim=-1), num_samples=1)
+        idx = torch.cat((idx, idx_next), dim=1)
+    model.generate_stats = {"executed": executed, "tokens": n}
+    return idx
+
+
+def cached_step(model, idx, caches, pos):
+    """Logits of the last of the tokens idx [B, t] at positions pos.., appended to the caches."""
+    ctx = model._context(idx.numel(), pos=pos, caches=caches)
+    state = model.stream.embed(model.wte(idx))
+    for l in range(len(model.sublayers)):
+        state = model._sublayer(state, l, ctx)
+    model._finish(ctx)
+    return model.stream.head(_last_position(state), model.lm_head)[..., :model.config.vocab_size]
+
 
 class Visibility:
     """What attention needs beyond causality, in one argument: key_bias [B, T] is added to the scores of
@@ -2116,6 +2097,13 @@ OPTIONS = option_owners()
 
 def check_modes(config):
     """The mode switches, every mode's options, and the modes' own checks: one-line errors that name the fix."""
+    if not 0.0 <= config.mod_rate < 1.0:
+        raise ValueError(f"mod_rate must be in [0, 1), got {config.mod_rate}")
+    if config.value_residual not in VALUE_RESIDUALS:
+        raise ValueError(f"unknown value_residual {config.value_residual!r}; valid: {', '.join(VALUE_RESIDUALS)}")
+    if config.value_residual != "none" and config.mod != "none":
+        raise ValueError(f"value_residual={config.value_residual} needs every token to run the first attention "
+                         f"sublayer, whose values the later ones mix in: use mod=none or value_residual=none")
     for key, registry in (("residual", RESIDUALS), ("mod", MODS)):
         if getattr(config, key) not in registry:
             raise ValueError(f"unknown {key} '{getattr(config, key)}'; valid: {', '.join(registry)}")

@@ -30,7 +30,6 @@ import torch
 import torch.nn as nn
 
 
-
 def configure_optimizers(model, weight_decay, learning_rate, betas, gate_lr_scale=1.0, gate_decay=False, muon=None):
     """The optimizer of a GPT. Weight decay on matrices and embeddings (>= 2-D); none on norms, gains and
     scalars, nor on what a mode lists in no_decay_parameters(). Groups of their own, without decay, whose

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import (GPT, CausalSelfAttention, GPTConfig, KVCache, SkipMiddle, apply_rope, capacity, mask_route,
-                   rope_table, topk_route)
+from model import (GPT, CausalSelfAttention, GPTConfig, KVCache, SkipMiddle, apply_rope, cached_step, capacity,
+                   mask_route, rope_table, topk_route)
 from model import MODS, RESIDUALS, TopKMoD, Visibility  # noqa: E402
 
 def pairings():
@@ -375,11 +375,11 @@ GENERATE = [("none", "prenorm", {}), *PAIRS, ("router", "prenorm", {"mod_inferen
 
 
 def cached_logits(model, idx, prefill):
-    """Logits at positions prefill-1 .. T-1 from _step: prefill tokens at once, then one at a time."""
+    """Logits at positions prefill-1 .. T-1 from cached_step: prefill tokens at once, then one at a time."""
     caches = [KVCache(model.config.block_size) if l % 2 == 0 else None for l in range(len(model.sublayers))]
-    out = [model._step(idx[:, :prefill], caches, 0)]
+    out = [cached_step(model, idx[:, :prefill], caches, 0)]
     for t in range(prefill, idx.size(1)):
-        out.append(model._step(idx[:, t:t + 1], caches, t))
+        out.append(cached_step(model, idx[:, t:t + 1], caches, t))
     return torch.cat(out, 1)
 
 
