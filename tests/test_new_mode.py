@@ -245,6 +245,47 @@ def dtypes(state):
     return set().union(*(dtypes(s) for s in state)) if isinstance(state, (list, tuple)) else set()
 
 
+def snapshot(state):
+    """What a state holds, as values a later in-place change would alter: each tensor's identity, shape and
+    version counter (bumped by every in-place op), each list's length and items, recursively."""
+    if torch.is_tensor(state):
+        return ("tensor", id(state), tuple(state.shape), state._version)
+    if isinstance(state, (list, tuple)):
+        return (type(state).__name__, len(state), tuple(snapshot(s) for s in state))
+    return (type(state).__name__, id(state))
+
+
+@pytest.mark.parametrize("residual", CASES)
+def test_the_state_names_itself_and_a_read_leaves_it_as_it_was(residual, monkeypatch):
+    """A mode's state is one tensor or a NamedTuple of its own (fields that say what they hold), never a
+    positional list or tuple, from embed() through every write; and read() changes nothing in it (no
+    field set, no list appended to, no tensor changed in place): what a write needs from its read is
+    the carry read() returns."""
+    model = make(residual)
+    read, write, seen = model.stream.read, model.stream.write, []
+
+    def named(state):
+        return torch.is_tensor(state) or (isinstance(state, tuple) and hasattr(state, "_fields"))
+
+    def recording_read(state, l):
+        before = snapshot(state)
+        x, carry = read(state, l)
+        seen.append((l, named(state), snapshot(state) == before))
+        return x, carry
+
+    def recording_write(state, l, out, carry):
+        state = write(state, l, out, carry)
+        seen.append((l, named(state), True))
+        return state
+
+    monkeypatch.setattr(model.stream, "read", recording_read)
+    monkeypatch.setattr(model.stream, "write", recording_write)
+    model(tokens(), tokens(2))
+    assert len(seen) == 2 * model.config.n_sublayers
+    assert all(ok for _, ok, _ in seen), f"{residual}: a state that is not a tensor or a NamedTuple: {seen}"
+    assert all(same for _, _, same in seen), f"{residual}: read() changed the state it read: {seen}"
+
+
 @pytest.mark.parametrize("residual", CASES)
 def test_bf16_autocast_keeps_the_stream_dtype(residual, monkeypatch):
     """Under autocast the stream keeps the dtype embed() gave it at every write (a write that

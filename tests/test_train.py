@@ -1257,3 +1257,20 @@ def test_final_eval_is_capped(data_dir, tmp_path, in_process):
         in_process(tiny_args(data_dir, out, max_iters=2, lr_decay_iters=2, final_eval_tokens=cap))
         rec = read_final_eval(out)
         assert (rec["tokens"], rec["windows"]) == (384, 12)
+
+
+def test_the_evening_read_stays_short():
+    """The two rooms a student opens first stay small: train.py's loop within its first two screens, the
+    Trainer at most 400 lines with no method over about 40; model.py's GPT ending by line 450 (a
+    complete prenorm GPT on the first pages). A change that grows them past this moves code out instead."""
+    import ast
+    train_tree = ast.parse((REPO / "train.py").read_text())
+    trainer = next(n for n in train_tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    methods = {m.name: m.end_lineno - m.lineno + 1 for m in trainer.body if isinstance(m, ast.FunctionDef)}
+    assert trainer.end_lineno - trainer.lineno + 1 <= 400
+    assert max(methods.values()) <= 45, methods
+    loop = next(m for m in trainer.body if isinstance(m, ast.FunctionDef) and m.name == "loop")
+    assert loop.end_lineno <= 130, loop.end_lineno
+    model_tree = ast.parse((REPO / "model.py").read_text())
+    gpt = next(n for n in model_tree.body if isinstance(n, ast.ClassDef) and n.name == "GPT")
+    assert gpt.end_lineno <= 450, gpt.end_lineno
