@@ -52,7 +52,8 @@ class RunPlan:
     def alpha_scale(self, it):
         """nag_alpha_warmup_tokens (nag-nanochat's token-anchored warm-up): alpha's scale before iteration it,
         min(1, tokens trained / warm-up tokens): 0 at the first iteration, linear, then 1."""
-        return alpha_warmup(it, self.tokens_per_iter, self.cfg["nag_alpha_warmup_tokens"])
+        warmup_tokens = self.cfg["nag_alpha_warmup_tokens"]
+        return min(1.0, it * self.tokens_per_iter / warmup_tokens) if warmup_tokens > 0 else 1.0
 
     def plan_flops(self, dense_note):
         """max_flops (iso-FLOP): the budget sets the iterations, and the LR schedule with them."""
@@ -131,11 +132,6 @@ class RunPlan:
         cfg = self.cfg
         return (cfg["max_iters"] // cfg["eval_interval"] - iter_num // cfg["eval_interval"]
                 + (cfg["max_iters"] % cfg["eval_interval"] != 0))
-
-
-def alpha_warmup(iter_num, tokens_per_iter, warmup_tokens):
-    """min(1, iter_num x tokens_per_iter / warmup_tokens); 1 when warmup_tokens is 0 (no warm-up)."""
-    return min(1.0, iter_num * tokens_per_iter / warmup_tokens) if warmup_tokens > 0 else 1.0
 
 
 def iterations_for_budget(budget, flops_per_token, tokens_per_iter):

@@ -282,11 +282,12 @@ def test_nag_recipe_keys_only_apply_to_nag():
 def test_alpha_warmup_schedule():
     """base_train.py: scale = min(1, step * total_batch_size / warmup_tokens), set before each step's eval
     and training step: 0 at step 0, linear, then 1; 0 tokens: off."""
-    assert plan.alpha_warmup(0, 1000, 4000) == 0.0
-    assert plan.alpha_warmup(1, 1000, 4000) == 0.25
-    assert plan.alpha_warmup(3, 1000, 4000) == 0.75
-    assert plan.alpha_warmup(9, 1000, 4000) == 1.0
-    assert plan.alpha_warmup(0, 1000, 0) == 1.0
+    def scale(it, warmup_tokens, tokens_per_iter=1000):
+        cfg = dict(max_iters=10, warmup_iters=0, lr_decay_iters=None, learning_rate=1e-3, min_lr=None, decay_lr=True,
+                   max_flops=None, max_seconds=None, nag_alpha_warmup_tokens=warmup_tokens)
+        return plan.RunPlan(cfg, tokens_per_iter, flops_per_token=1.0, verbose=False).alpha_scale(it)
+    assert [scale(it, 4000) for it in (0, 1, 3, 9)] == [0.0, 0.25, 0.75, 1.0]
+    assert scale(0, 0) == 1.0
 
 
 def test_alpha_scale_scales_the_tangent():
