@@ -53,11 +53,17 @@ def budget_groups(rows):
 
 def means(groups):
     """[(mean compute, mean loss)] of each budget, by compute."""
-    return sorted((statistics.mean(c for c, _ in g), statistics.mean(y for _, y in g)) for g in groups.values() if g)
+    return sorted((mean(c for c, _ in g), mean(y for _, y in g)) for g in groups.values() if g)
+
+
+def mean(values):
+    """The mean of floats (statistics.mean's exact fractions cost most of a bootstrap's time)."""
+    values = list(values)
+    return math.fsum(values) / len(values)
 
 
 def geomean(values):
-    return math.exp(statistics.mean(math.log(v) for v in values))
+    return math.exp(mean(math.log(v) for v in values))
 
 
 # -----------------------------------------------------------------------------
@@ -99,7 +105,7 @@ def read_off(inverse, span, cell):
     lo, hi = span
     out = {}
     for b, g in sorted(cell.items(), key=lambda t: (t[0] is None, t[0] or 0)):
-        c, loss = statistics.mean(x for x, _ in g), statistics.mean(y for _, y in g)
+        c, loss = mean(x for x, _ in g), mean(y for _, y in g)
         cb = inverse(loss)
         out[b] = (None if cb is None else cb / c, lo <= loss <= hi)
     return out
@@ -117,7 +123,7 @@ def trend(at, budgets):
     pts = [(math.log2(b), math.log(at[b][0])) for b in budgets if at.get(b, (None,))[0] is not None]
     if len(budgets) < MIN_TREND_BUDGETS or len(pts) < len(budgets):
         return None
-    mx, my = statistics.mean(x for x, _ in pts), statistics.mean(y for _, y in pts)
+    mx, my = mean(x for x, _ in pts), mean(y for _, y in pts)
     return math.exp(sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts))
 
 
@@ -185,7 +191,7 @@ def joint_fit(groups_by_cell):
     slot = np.cumsum(own) - 1  # cell k's exponent: p[1 + len(cells) + slot[k]], the baseline's if not its own
     alpha_of = np.array([slot[k] if own[k] else 0 for k in range(len(cells))])
     runs = [(i, x, y) for i, c in enumerate(cells) for g in groups_by_cell[c].values() for x, y in g]
-    s = math.exp(statistics.mean(math.log(x) for _, x, _ in runs))
+    s = math.exp(mean(math.log(x) for _, x, _ in runs))
     i_of = np.array([i for i, _, _ in runs])
     x, y = np.array([x / s for _, x, _ in runs]), np.array([y for _, _, y in runs])
     floor = min(m for c in cells for _, m in means(groups_by_cell[c]))
@@ -268,7 +274,7 @@ def depth_slope(by_depth):
     pts = [(math.log2(d), math.log(m)) for d, m in by_depth.items() if m is not None]
     if len(pts) < 2 or len(pts) < len(by_depth):
         return None
-    mx, my = statistics.mean(x for x, _ in pts), statistics.mean(y for _, y in pts)
+    mx, my = mean(x for x, _ in pts), mean(y for _, y in pts)
     return math.exp(sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts))
 
 
@@ -279,7 +285,7 @@ def frontier_curve(groups_by_depth):
     budgets = set.intersection(*(set(g) for g in groups_by_depth.values()))
     best = {}
     for b in sorted(budgets):
-        pts = {d: (statistics.mean(y for _, y in g[b]), statistics.mean(x for x, _ in g[b]))
+        pts = {d: (mean(y for _, y in g[b]), mean(x for x, _ in g[b]))
                for d, g in groups_by_depth.items()}
         d = min(pts, key=lambda k: pts[k][0])
         best[b] = (d, *pts[d])
@@ -310,8 +316,8 @@ def frontier_bootstrap(base_by_depth, design_by_depth, n, seed):
     rng = np.random.default_rng([seed, 2])
     ms, best, moved = {}, {}, {}
     for _ in range(n):
-        fb = {d: resample(rng, g) for d, g in base_by_depth.items()}
-        fd = {d: resample(rng, g) for d, g in design_by_depth.items()}
+        fb = {d: resample(rng, base_by_depth[d]) for d in sorted(base_by_depth)}  # sorted: the same draws
+        fd = {d: resample(rng, design_by_depth[d]) for d in sorted(design_by_depth)}  # in every process
         for b, (d, d_base, m, _) in frontier(fb, fd).items():
             ms.setdefault(b, []).append(m)
             best.setdefault(b, []).append(d)
@@ -467,7 +473,7 @@ def frontier_lines(rows, pairs, boot, seed):
     for r in rows:
         groups.setdefault(r["cell"], []).append(r)
     by = {}
-    for cell in {*pairs, *pairs.values()}:
+    for cell in sorted({*pairs, *pairs.values()}):
         name, depth = design[cell]
         by.setdefault(name, {})[depth] = budget_groups(groups[cell])
     bases = {design[b][0] for b in pairs.values()}

@@ -3,8 +3,10 @@ sweeps (budgets = [...]) on fake train.py runs."""
 
 import csv
 import math
+import os
 import random
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -191,19 +193,28 @@ def test_a_degenerate_fit_is_named_and_gives_no_number(tmp_path):
     assert fitted["c"][1].startswith("degenerate fit: without the baseline's budget ")
 
 
+def b8(c):
+    """The baseline at 8 layers: 4 layers' curve shifted by 2x compute but starting 0.1 higher, so 4 layers is
+    best at small budgets and 8 at large ones."""
+    return base_loss(2 * c) + 0.1 * 4e12 / (c + 4e12)
+
+
+def depth_grid(grid):
+    """A two-depth sweep: the baseline at 4 and 8 layers over `grid`, a design worth 1.2x at 4 layers and 1.44x
+    at 8 over its middle three budgets."""
+    return {"prenorm_L4": {"loss": base_loss, "n_layer": 4, "residual": "prenorm"},
+            "prenorm_L8": {"loss": b8, "n_layer": 8, "residual": "prenorm"},
+            "nag_L4": {"loss": lambda c: base_loss(1.2 * c), "n_layer": 4, "residual": "nag", "budgets": grid[1:4]},
+            "nag_L8": {"loss": lambda c: b8(1.44 * c), "n_layer": 8, "residual": "nag", "budgets": grid[1:4]}}
+
+
 def test_depth_and_the_frontier_on_a_known_grid(tmp_path):
-    """Baseline at 4 and 8 layers: 8 layers' curve is 4 layers' shifted by 2x compute but starts 0.1 higher, so 4
-    layers is best at small budgets and 8 at large ones. The design is worth 1.2x at 4 layers and 1.44x at 8
-    (1.2 per doubling of depth: 'grows with depth'). Its best depth per budget, the baseline's, and the
-    frontier multiplier (the baseline's best-of-depths curve against the design's best) are the known ones."""
+    """depth_grid: the design is worth 1.2 per doubling of depth ('grows with depth'). Its best depth per
+    budget, the baseline's, and the frontier multiplier (the baseline's best-of-depths curve against the
+    design's best) are the known ones."""
     b4 = base_loss
-    b8 = lambda c: base_loss(2 * c) + 0.1 * 4e12 / (c + 4e12)  # noqa: E731
     grid = [1e12 * 2 ** k for k in range(6)]
-    cells = {"prenorm_L4": {"loss": b4, "n_layer": 4, "residual": "prenorm"},
-             "prenorm_L8": {"loss": b8, "n_layer": 8, "residual": "prenorm"},
-             "nag_L4": {"loss": lambda c: b4(1.2 * c), "n_layer": 4, "residual": "nag", "budgets": grid[1:4]},
-             "nag_L8": {"loss": lambda c: b8(1.44 * c), "n_layer": 8, "residual": "nag", "budgets": grid[1:4]}}
-    text = flops.multiplier([str(write_csv(tmp_path / "r.csv", grid, cells, noise=0.001)), "--boot=100"])
+    text = flops.multiplier([str(write_csv(tmp_path / "r.csv", grid, depth_grid(grid), noise=0.001)), "--boot=100"])
     assert number(rows_of(text, "nag_L4")["overall"][3]) == pytest.approx(1.2, rel=0.03)
     assert number(rows_of(text, "nag_L8")["overall"][3]) == pytest.approx(1.44, rel=0.03)
     (depth,) = [line for line in text.splitlines() if line.startswith("| nag |") and "layers" not in line
@@ -276,6 +287,17 @@ def test_bootstrap_reproducible_and_covers(tmp_path):
         lo, hi = interval_of(rows_of(flops.multiplier([str(rows), "--boot=80"]), "nag")["overall"][4])
         covered += lo <= 1.25 <= hi
     assert covered >= 13
+
+
+def test_the_same_csv_prints_the_same_intervals_in_every_process(tmp_path):
+    """The bootstrap's draws follow the CSV and boot_seed only: two processes with other string hashes (which
+    order a set of cell names) print the same report, the frontier's intervals included."""
+    grid = [1e12 * 2 ** k for k in range(6)]
+    path = write_csv(tmp_path / "r.csv", grid, depth_grid(grid), noise=0.01)
+    cmd = [sys.executable, str(REPO / "flops.py"), "multiplier", str(path), "--boot=40", f"--out={tmp_path / 'm.png'}"]
+    out = [subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO,
+                          env=os.environ | {"PYTHONHASHSEED": h}).stdout for h in ("1", "2")]
+    assert "compute-optimal frontier" in out[0] and out[0] == out[1]
 
 
 def test_degenerate_inputs_give_a_line(tmp_path):
