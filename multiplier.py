@@ -588,14 +588,15 @@ def plot(rows, results, path):
     ax.set_ylabel("final val loss (mean over seeds)")
     ax.set_title("loss vs compute (line style: depth)", fontsize=10)
     layer = {r["cell"]: r.get("n_layer") for r in rows}
-    for name in designs:
+    for k, name in enumerate(designs):
         got = [(layer[c], r) for c, r in results.items() if design_of({"cell": c, "n_layer": layer[c]}) == name
                and r["why"] is None and r["overall"] is not None]
         if not got:
             continue
         if len(depths) > 1:
             got.sort(key=lambda t: t[0])
-            xs, ms = [d for d, _ in got], [r["overall"] for _, r in got]
+            shift = 2 ** (0.025 * (k - (len(designs) - 1) / 2))  # side by side at a depth: each interval seen
+            xs, ms = [d * shift for d, _ in got], [r["overall"] for _, r in got]
             err = [[m - (r["ci"] or (m, m))[0] for m, (_, r) in zip(ms, got)],
                    [(r["ci"] or (m, m))[1] - m for m, (_, r) in zip(ms, got)]]
             bx.errorbar(xs, ms, yerr=err, fmt="o-", capsize=3, color=color[name], label=name)
@@ -604,6 +605,9 @@ def plot(rows, results, path):
                 bs = r["inside"]
                 bx.plot(bs, [r["at"][b][0] for b in bs], "o-", color=color[name], label=name)
     bx.set_xscale("log", base=2 if len(depths) > 1 else 10)
+    if len(depths) > 1:
+        bx.set_xticks(depths, [str(d) for d in depths])
+        bx.minorticks_off()
     bx.axhline(1.0, color="gray", lw=0.8)
     bx.set_xlabel("layers" if len(depths) > 1 else "budget (in range)")
     bx.set_ylabel("compute multiplier vs baseline")
