@@ -117,14 +117,19 @@ def overall(at, budgets):
     return geomean(got) if got and len(got) == len(budgets) else None
 
 
+def per_doubling(pts):
+    """e^s, s the least-squares slope of pts [(log2 x, log m)]: m's factor per doubling of x."""
+    mx, my = mean(x for x, _ in pts), mean(y for _, y in pts)
+    return math.exp(sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts))
+
+
 def trend(at, budgets):
     """2^s, s the least-squares slope of log multiplier on log budget over `budgets`; None with fewer than
     MIN_TREND_BUDGETS of them (or one without a number)."""
     pts = [(math.log2(b), math.log(at[b][0])) for b in budgets if at.get(b, (None,))[0] is not None]
     if len(budgets) < MIN_TREND_BUDGETS or len(pts) < len(budgets):
         return None
-    mx, my = mean(x for x, _ in pts), mean(y for _, y in pts)
-    return math.exp(sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts))
+    return per_doubling(pts)
 
 
 def multipliers(base, cell):
@@ -274,8 +279,7 @@ def depth_slope(by_depth):
     pts = [(math.log2(d), math.log(m)) for d, m in by_depth.items() if m is not None]
     if len(pts) < 2 or len(pts) < len(by_depth):
         return None
-    mx, my = mean(x for x, _ in pts), mean(y for _, y in pts)
-    return math.exp(sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts))
+    return per_doubling(pts)
 
 
 def frontier_curve(groups_by_depth):
