@@ -88,7 +88,7 @@ import run_config  # noqa: E402
 from run_config import REPO, pick_device  # noqa: E402
 
 DEFAULTS = dict(
-    section="all",  # all (kernels, model, mod) | kernels | model | mod | compile | quickstart | sample | gpu
+    section="all",  # all (kernels, model, mod) | kernels | model | mod | compile | quickstart | sample | steps | gpu
     device="auto",  # auto (the GPU if there is one, else the CPU), cpu, cuda, cuda:1, ...
     dtype="auto",  # auto (bf16 or fp16 on a GPU, fp32 on the CPU), float32, bfloat16, float16
     compile=True,  # kernels: also time torch.compile of the references; model, mod: compile the step (GPU only)
@@ -111,6 +111,8 @@ DEFAULTS = dict(
     rounds=20,  # steps: interleaved rounds (each times every cell once, 3 steps, the median)
     steps_out="",  # steps: the CSV of every round's times ("": out/step_times.csv); flops.py multiplier --step_times
 )
+# the whole-number keys and their least value (0: the section's own); max_minutes: any number > 0
+COUNTS = dict(reps=0, batch_size=0, pairs=1, max_iters=1, layers=0, tokens=1, width=8, rounds=1)
 
 
 LOADED_SPREAD = 0.5  # (upper - lower quartile) / median of a measurement's repeats above this: a loaded machine
@@ -1132,8 +1134,6 @@ def bench_gpu(cfg, argv):
                 if cfg["compiled"] == "all" else [r for r in cfg["compiled"].split(",") if r])
     if not set(compiled) <= set(RESIDUALS):
         raise ConfigError(f"--compiled={cfg['compiled']}: give all or a comma list of {', '.join(RESIDUALS)}")
-    if not cfg["max_minutes"] > 0:
-        raise ConfigError(f"--max_minutes={cfg['max_minutes']}: give a positive number of minutes")
     shapes = dict(DRY_SHAPES if dry else GPU_SHAPES)
     shapes["batch"] = cfg["batch_size"] or shapes["batch"]
     backend = cfg["backend"] if device.type == "cuda" else "aot_eager"  # inductor on a CPU: minutes per model
@@ -1165,9 +1165,13 @@ def main(argv=None):
         raise ConfigError(f"unknown section '{cfg['section']}'; valid: {', '.join(SECTIONS)}")
     if cfg["dry_run"] and cfg["section"] != "gpu":
         raise ConfigError("--dry_run=True is the gpu section's: add --section=gpu")
-    for key in ("pairs", "max_iters", "tokens", "rounds"):  # quickstart's, sample's and steps' counts
-        if isinstance(cfg[key], bool) or not isinstance(cfg[key], int) or cfg[key] < 1:
-            raise ConfigError(f"--{key}={cfg[key]}: give a whole number >= 1 (default {DEFAULTS[key]})")
+    for key, least in COUNTS.items():  # before anything is built: a count below its least ends in a traceback
+        if isinstance(cfg[key], bool) or not isinstance(cfg[key], int) or cfg[key] < least:
+            raise ConfigError(f"--{key}={cfg[key]}: give a whole number >= {least}" + (" (0: the section's own" if
+                              least == 0 else " (") + f"; default {DEFAULTS[key]})")
+    if isinstance(cfg["max_minutes"], bool) or not isinstance(cfg["max_minutes"], (int, float)) \
+            or not cfg["max_minutes"] > 0:
+        raise ConfigError(f"--max_minutes={cfg['max_minutes']}: give a positive number of minutes")
     if cfg["optimizer"] not in ("adamw", "muon"):
         raise ConfigError(f"--optimizer={cfg['optimizer']}: give adamw or muon (the model and gpu sections' step)")
     UNSTEADY.clear()  # this run's measurements only

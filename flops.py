@@ -250,6 +250,8 @@ SWEEP_DEFAULTS = dict(
 FIELDS = ["run", "cell", "seed", "residual", "n_layer", "mod", "mod_rate", "args", "status", "iters", "tokens",
           "flops", "params", "train_flops_per_token", "exec_train", "exec_eval", "eval_flops_per_token", "val_loss",
           "val_se", "eval_tokens", "best_val_loss", "seconds", "s_per_iter", "budget", "device", "optimizer"]
+LATER_FIELDS = ("val_se", "eval_tokens", "s_per_iter", "budget", "device", "optimizer")  # a results.csv from before
+#                                                                                     them lacks these, and loads
 GRID_KEYS = ("residual", "n_layer", "mod", "mod_rate", "seed")  # own columns; a cell's other keys go in `args`
 HERE = os.path.dirname(os.path.abspath(__file__))  # train.py runs here
 TRAIN_SCRIPT = "train.py"  # what each run launches, from HERE (tests swap in a fake)
@@ -297,6 +299,88 @@ def sweep_runs(sw):
 def override_args(overrides):
     """train.py's --key=value for a run's overrides (repr: the configurator reads them back exactly)."""
     return [f"--{k}={v!r}" for k, v in overrides.items()]
+
+
+def budget_args(sw):
+    """train.py's budget for every run of a one-budget sweep (a cell's own max_flops, after it, wins)."""
+    return ([f"--max_seconds={sw['budget_seconds']}"] if sw["budget_seconds"] is not None else
+            [] if sw["budget"] is None else [f"--max_flops={sw['budget']}"])
+
+
+RUN_RECORD = "sweep_run.json"  # in each run's folder: the train.py configuration the sweep started it with
+
+
+def run_settings(cfg):
+    """What defines a run: its whole train.py configuration as the sweep launches it (budget, train_config,
+    train_args, the cell's keys), as JSON reads it back; out_dir is the folder itself."""
+    return {k: v for k, v in json.loads(json.dumps(cfg, default=str)).items() if k != "out_dir"}
+
+
+def write_run_record(out_dir, cfg):
+    with open(os.path.join(out_dir, RUN_RECORD + ".tmp"), "w") as f:
+        json.dump({"config": run_settings(cfg)}, f, indent=1)
+        f.write("\n")
+    os.replace(os.path.join(out_dir, RUN_RECORD + ".tmp"), os.path.join(out_dir, RUN_RECORD))
+
+
+def recorded_settings(out_dir):
+    """What the run in out_dir was started with: its RUN_RECORD, else (a run started before sweeps wrote one)
+    the command line of train.py's config.json, resolved as run_settings; None when neither is there."""
+    path = os.path.join(out_dir, RUN_RECORD)
+    if not os.path.exists(path):
+        path = os.path.join(out_dir, "config.json")  # its config is train.py's after planning: its command is ours
+        if not os.path.exists(path):
+            return None
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        if path.endswith(RUN_RECORD):
+            return record["config"]
+        args = shlex.split(record["command"])
+        args = [a for a in args[args.index("train.py") + 1:] if not a.startswith(("--out_dir=", "--init_from="))]
+        return run_settings(train_config(args))
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ConfigError(f"{path} is not readable, so what this run was started with is unknown: move its folder "
+                          f"{out_dir} away to run it again") from None
+
+
+def changed_settings(out_dir, cfg):
+    """{key: (as the run was started, as this sweep would run it)} for every key both know that differs;
+    None when the run's folder has no record."""
+    recorded = recorded_settings(out_dir)
+    if recorded is None:
+        return None
+    now = run_settings(cfg)
+    return {k: (recorded[k], now[k]) for k in recorded if k in now and recorded[k] != now[k]}
+
+
+def check_kept_runs(root, runs, cfgs):
+    """Before anything runs: every run this sweep would keep (finished: skipped or re-evaluated) or continue
+    (a checkpoint: resumed) must have been started with the settings this sweep gives it, else its cells
+    would mix two budgets or configurations under one title. A one-line error names the runs, the settings
+    and the fix. Returns the kept runs that have no record (their settings cannot be checked)."""
+    changed, unrecorded = {}, []
+    for name, _, _ in runs:
+        out_dir = os.path.join(root, name)
+        if not any(os.path.exists(os.path.join(out_dir, f)) for f in ("done", "ckpt.pt")):
+            continue  # nothing of it is kept: it starts from scratch
+        diff = changed_settings(out_dir, cfgs[name])
+        if diff is None:
+            unrecorded.append(name)
+        elif diff:
+            changed[name] = diff
+    if changed:
+        keys = {}
+        for diff in changed.values():
+            for k, v in diff.items():
+                keys.setdefault(k, v)
+        names = list(changed)
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        what = "; ".join(f"{k} was {old!r}, now {new!r}" for k, (old, new) in keys.items())
+        raise ConfigError(f"{root} holds {len(names)} run(s) started with other settings than this sweep gives them "
+                          f"({shown}: {what}); a sweep never mixes them. Give the new settings their own folder "
+                          f"(another --sweep_name or --out_root), or the old settings back to resume these runs")
+    return unrecorded
 
 
 def run_result(out_dir):
@@ -381,8 +465,8 @@ def run_sweep(argv, top_argv=None):
     base_argv = [os.path.abspath(sw["train_config"]), *sw["train_args"]]
     cwd = os.getcwd()
     os.chdir(HERE)  # relative paths in the train config (data_dir) are train.py's, from the repo
-    try:
-        cfgs = {name: train_config([*base_argv, *override_args(ov)]) for name, _, ov in runs}  # bad keys fail now
+    try:  # each run's configuration as train.py gets it; bad keys fail now
+        cfgs = {name: train_config([*base_argv, *budget_args(sw), *override_args(ov)]) for name, _, ov in runs}
         run_config.find_data(next(iter(cfgs.values())))  # prepared once, before jobs could race to do it
         return _sweep(sw, root, runs, base_argv, cfgs, top_argv or argv)
     finally:
@@ -461,22 +545,27 @@ def print_plan(sw, runs, todo, seconds, cfgs, root):
 
 
 def _sweep(sw, root, runs, base_argv, cfgs, argv):
+    unrecorded = check_kept_runs(root, runs, cfgs)
     os.makedirs(root, exist_ok=True)
     status = {name: "pending" for name, _, _ in runs}
     todo, seconds = [], []  # seconds: of every finished run, for the time estimates
-    for i, run in enumerate(runs, 1):
+    for run in runs:  # the progress count: the skipped runs first, then each run as it finishes
         row = run_result(os.path.join(root, run[0]))
         if row is None:
             todo.append(run)
         elif row.get("eval_tokens") is None and cfgs[run[0]]["final_eval_tokens"] \
                 and os.path.exists(os.path.join(root, run[0], "ckpt.pt")):
             todo.append(run)  # finished before the final eval existed: its resume runs that eval alone
-            print(f"[{i}/{len(runs)}] {run[0]}: finished without a final eval: re-evaluated from its checkpoint",
-                  flush=True)
+            print(f"{run[0]}: finished without a final eval: re-evaluated from its checkpoint", flush=True)
         else:
             status[run[0]] = "done"
             seconds += [row["seconds"]] if math.isfinite(row["seconds"]) else []
-            print(f"[{i}/{len(runs)}] {run[0]}: already finished, skipped", flush=True)
+            print(f"[{list(status.values()).count('done')}/{len(runs)}] {run[0]}: already finished, skipped",
+                  flush=True)
+    if unrecorded:
+        shown = ", ".join(unrecorded[:4]) + (", ..." if len(unrecorded) > 4 else "")
+        print(f"note: {len(unrecorded)} kept run(s) ({shown}) have no {RUN_RECORD} nor config.json: their settings "
+              f"are not checked against this sweep's", flush=True)
     print_plan(sw, runs, todo, seconds, cfgs, root)
     signals = []  # SIGINT / SIGTERM only land here; the loop then stops the runs and waits for them
     previous = {s: signal.signal(s, lambda signum, frame: signals.append(signum))
@@ -503,11 +592,11 @@ def _sweep(sw, root, runs, base_argv, cfgs, argv):
                 out_dir = os.path.join(root, name)
                 # a killed run left a checkpoint: continue it rather than start over
                 resume = os.path.exists(os.path.join(out_dir, "ckpt.pt"))
-                budget = ([f"--max_seconds={sw['budget_seconds']}"] if sw["budget_seconds"] is not None else
-                          [] if sw["budget"] is None else [f"--max_flops={sw['budget']}"])
-                cmd = [sys.executable, TRAIN_SCRIPT, *base_argv, f"--out_dir={out_dir}", *budget,
+                cmd = [sys.executable, TRAIN_SCRIPT, *base_argv, f"--out_dir={out_dir}", *budget_args(sw),
                        *override_args(overrides), *(["--init_from=resume"] if resume else [])]
                 os.makedirs(out_dir, exist_ok=True)
+                if not resume:  # a resumed run's record is its start's (checked above); none: not guessed now
+                    write_run_record(out_dir, cfgs[name])
                 log = open(os.path.join(out_dir, "stdout.txt"), "a")
                 running[name] = (subprocess.Popen(cmd, cwd=HERE, stdout=log, stderr=subprocess.STDOUT), log, time.time())
                 status[name] = "running"
@@ -678,10 +767,21 @@ def read_results(path):
             reader = csv.DictReader(f)
             if not {"run", "cell", "seed", "val_loss"} <= set(reader.fieldnames or ()):
                 raise ConfigError(not_results)
-            return [{k: (v if k in text else None if v in ("", None) else int(v) if k in ints else float(v))
+            missing = [k for k in FIELDS if k not in LATER_FIELDS and k not in reader.fieldnames]
+            if missing:
+                raise ConfigError(f"{path} is not a sweep's results.csv (it has no {', '.join(missing)} column"
+                                  f"{'s' if len(missing) > 1 else ''}, which flops.py sweep writes): pass "
+                                  f"out/<sweep>/results.csv or a copy in docs/")
+            rows = [{k: (v if k in text else None if v in ("", None) else int(v) if k in ints else float(v))
                      for k, v in r.items() if k is not None} for r in reader]
+    except ConfigError:
+        raise
     except (ValueError, UnicodeDecodeError, csv.Error):
         raise ConfigError(not_results) from None
+    if not rows:
+        raise ConfigError(f"{path} holds no runs (its header alone): a sweep writes its results.csv after its first "
+                          f"finished run; pass one that has rows")
+    return rows
 
 
 def csv_verb(argv, verb, defaults, name, what, takes, example):
@@ -769,24 +869,44 @@ def plot_results(cells, budget, path):
 # what a sweep costs, before it runs
 
 PLAN_DEFAULTS = dict(
-    gpu="H100",  # the GPU whose peak (PEAK_FLOPS) sets the time; "" : FLOPs only
-    mfu=0.35,  # the model FLOPs utilisation assumed on it
+    gpu=None,  # the GPU (PEAK_FLOPS) of the hours, e.g. H100; None: the runs' device here (a CPU: no hours); "": none
+    mfu=0.35,  # the model FLOPs utilisation assumed on that GPU
 )
 
 
 def plan(argv):
     """python flops.py plan config/sweep_<name>.py [--gpu=H100] [--mfu=0.35] [sweep keys]: every run of the
     sweep (its cells at their budgets, its seeds), the FLOPs they train on and evaluate with (each eval's
-    batches and the final eval, forward only), and the time that is on one such GPU at that MFU."""
+    batches and the final eval, forward only), and the time that is on one such GPU at that MFU. Without
+    --gpu: the GPU the runs' device picks on this machine; on a CPU no hours (a GPU's peak and MFU do not
+    apply)."""
+    about = ("flops.py plan: what a sweep config costs in FLOPs and GPU hours, e.g. python flops.py plan "
+             "config/sweep_depth_multiplier_gpu.py --gpu=H100 --mfu=0.35")
+    if "--help" in argv or "-h" in argv:  # its own keys, then the sweep's
+        configure(["--help"], {**PLAN_DEFAULTS, **SWEEP_DEFAULTS}, [(__file__, "PLAN_DEFAULTS"),
+                                                                   (__file__, "SWEEP_DEFAULTS")], about)
     own = [a for a in argv if a.startswith(("--gpu=", "--mfu="))]
-    opts = configure(own, PLAN_DEFAULTS, [(__file__, "PLAN_DEFAULTS")],
-                     "flops.py plan: what a sweep config costs in FLOPs and GPU hours, e.g. python flops.py plan "
-                     "config/sweep_depth_multiplier_gpu.py --gpu=H100 --mfu=0.35")
+    opts = configure(own, PLAN_DEFAULTS, [(__file__, "PLAN_DEFAULTS")], about)
     sw = configure([a for a in argv if a not in own], SWEEP_DEFAULTS, [(__file__, "SWEEP_DEFAULTS")])
     if isinstance(opts["mfu"], bool) or not isinstance(opts["mfu"], (int, float)) or not 0 < opts["mfu"] <= 1:
         raise ConfigError(f"mfu must be a fraction in (0, 1], got {opts['mfu']!r}")
     if sw["budget_seconds"] is not None:
         raise ConfigError("a sweep on a time budget (budget_seconds): its FLOPs are known only once it has run")
+    if opts["gpu"] is not None and not isinstance(opts["gpu"], str):
+        raise ConfigError(f"gpu must be a GPU's name such as H100 (or '' for FLOPs only), got {opts['gpu']!r}")
+    on_cpu = None
+    if opts["gpu"] is None:  # the device the runs pick here: train.py's rule
+        devices = {configure([os.path.abspath(sw["train_config"]), *sw["train_args"], *override_args(ov)],
+                             run_config.DEFAULTS)["device"] for _, ov in sweep_cells(sw)}
+        picked = {run_config.pick_device(d, "float32").device for d in devices}
+        if any(d.type == "cpu" for d in picked):
+            on_cpu = ", ".join(sorted(devices))
+            opts["gpu"] = ""
+        else:
+            opts["gpu"] = torch.cuda.get_device_name(next(iter(picked)))
+            if peak_flops(opts["gpu"]) is None:
+                raise ConfigError(f"this machine's GPU ({opts['gpu']}) is not in flops.py's PEAK_FLOPS: name one with "
+                                  f"--gpu (H100, H200, B200, A100, A10, L40S, L4, RTX 4090), or --gpu='' for FLOPs only")
     peak = peak_flops(opts["gpu"]) if opts["gpu"] else None
     if opts["gpu"] and peak is None:
         raise ConfigError(f"gpu={opts['gpu']!r} is not in flops.py's PEAK_FLOPS; give one of H100, H200, B200, A100, "
@@ -816,6 +936,10 @@ def plan(argv):
     total = sum(fl for _, fl in per_budget.values())
     lines += ["", f"total: {total:.3g} FLOPs" + (f"; on one {opts['gpu']} ({peak / 1e12:.0f} TFLOP/s peak bf16) at "
                                                  f"{opts['mfu']:.0%} MFU: {hours(total):.1f} hours" if peak else "")]
+    if on_cpu:
+        lines += [f"no hours: its runs' device ({on_cpu}) is the CPU on this machine, where a GPU's peak and MFU do "
+                  f"not apply (flops.py sweep estimates the time left from its finished runs); --gpu=H100 gives "
+                  f"the hours on one such GPU"]
     text = "\n".join(lines) + "\n"
     print(text, end="")
     return text
@@ -1009,13 +1133,14 @@ def main(argv):
         return multiplier(argv[1:])
     if argv[:1] == ["optimizers"]:
         return optimizers(argv[1:])
+    if argv[:1] in (["plan"], ["sweep"]) and all(a.startswith("--") for a in argv[1:]) and "--help" not in argv:
+        # the defaults alone: an unnamed sweep (hours of runs, or the plan of one nobody asked for)
+        shipped = sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "config", "sweep_*.py")))
+        raise ConfigError(f"flops.py {argv[0]} needs a sweep config: python flops.py {argv[0]} "
+                          f"config/sweep_<name>.py, one of {', '.join(shipped)}")
     if argv[:1] == ["plan"]:
         return plan(argv[1:])
     if argv[:1] == ["sweep"]:
-        if all(a.startswith("--") for a in argv[1:]) and "--help" not in argv:  # the defaults alone: hours of runs
-            shipped = sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "config", "sweep_*.py")))
-            raise ConfigError(f"flops.py sweep needs a sweep config: python flops.py sweep config/sweep_<name>.py, "
-                              f"one of {', '.join(shipped)}")
         return run_sweep(argv[1:])
     return breakdown(argv)
 

@@ -1,7 +1,8 @@
 """What keeps a training run from being lost (train.py's guards): every failure is a one-line error that
 names the fix, and no good checkpoint is ever overwritten or left half-written.
 
-- start: out_dir must take a file before anything else happens (check_writable); a run from scratch
+- start: out_dir must take a file before anything else happens (check_writable); one run at a time writes
+  in it (OutDirLock: out_dir/.lock, held for the run's life, a dead holder's taken over); a run from scratch
   moves every file of an earlier run (RUN_FILES) into a folder of its own in out_dir, never over anything
   (set_aside_previous_run), and records its own start (write_run_record: config.json)
 - resume: what argv does not set comes from the checkpoint (resumed_config); its architecture and budget
@@ -19,11 +20,14 @@ names the fix, and no good checkpoint is ever overwritten or left half-written.
 """
 
 import contextlib
+import errno
+import fcntl
 import json
 import os
 import shlex
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -35,6 +39,7 @@ from run_config import DEFAULTS, MODEL_KEYS, RUN_KEYS, format_duration
 
 GRAD_CHECK_STEPS = 5  # compile=True: the first log iteration this many steps into a run checks for zero gradients
 RUN_FILES = ("ckpt.pt", "ckpt_best.pt", "log.jsonl", "log.jsonl.torn", "config.json", "final_eval.json")  # what a run writes in out_dir
+LOCK_FILE = ".lock"  # in out_dir while a run writes there (OutDirLock); never one of RUN_FILES: it never moves
 # a resume: the keys each process sets for itself (never taken from the checkpoint), the budget (never
 # changed), and the plan: what the run trains, which only the command line may change
 OWN_KEYS = ("init_from", "eval_only", "out_dir", "device", "dtype", "compile", "kernels", "wandb_log",
@@ -63,14 +68,98 @@ class Interrupted(Exception):
 # start: out_dir
 
 def check_writable(out_dir):
-    """Make out_dir if it is missing and create (and remove) a file in it: an out_dir that cannot hold the
-    checkpoint fails at the start, not at the first eval."""
+    """Make out_dir if it is missing and write (and remove) a file of WRITE_TEST_BYTES in it: an out_dir that
+    cannot hold the checkpoint (read-only, or on a full disk: an empty file still fits there) fails at the
+    start, not at the first eval."""
     try:
         os.makedirs(out_dir, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write_test"):
-            pass
+        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write_test") as f:
+            f.write(bytes(WRITE_TEST_BYTES))
+            f.flush()
     except OSError as e:
-        raise ConfigError(f"cannot write to out_dir {out_dir} ({e.strerror or e}); use another --out_dir") from None
+        raise ConfigError(f"cannot write to out_dir {out_dir} ({e.strerror or e}); "
+                          f"{write_fix(e)}use another --out_dir") from None
+
+
+WRITE_TEST_BYTES = 1 << 16  # more than config.json and the lock file: a start that passes can write them
+
+
+def write_fix(e):
+    """'free space on its disk, or ' for an OSError of a full disk (or quota), else ''."""
+    return "free space on its disk, or " if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+
+
+class OutDirLock:
+    """One run at a time writes in out_dir. Every start that writes there (from scratch, a resume, eval_only:
+    it appends its eval to log.jsonl) takes out_dir/.lock (LOCK_FILE) before it moves or writes anything, and
+    holds it until the run ends. The lock is the kernel's (flock on the open file), so it ends with its
+    process however that ends, kill -9 included; the file says who holds it (pid, host, start, command) and
+    is removed by release(). A start that finds the lock held is a one-line ConfigError that names the
+    holder and the fix; one that finds the file of a process that ended without releasing it takes it
+    over and says so. Under DDP rank 0 alone takes it (the only rank that writes)."""
+
+    def __init__(self, out_dir, command=""):
+        self.path, self.fd = os.path.join(out_dir, LOCK_FILE), None
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise ConfigError(f"cannot create {self.path} ({e.strerror or e}); use another --out_dir") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = lock_holder(fd, "a run starting: no record yet")
+                os.close(fd)
+                raise ConfigError(f"out_dir {out_dir} is in use by another run ({holder}, {self.path}): wait for "
+                                  f"it to end, or choose another --out_dir") from None
+            except OSError as e:  # a file system without locks (some network mounts): run, but say so
+                os.close(fd)
+                print(f"WARNING: cannot lock out_dir {out_dir} ({e.strerror or e}): nothing stops another run "
+                      f"from writing there at the same time", file=sys.stderr, flush=True)
+                return
+            # locked; but a run releasing it removes the file: if that came between open and flock, this fd
+            # holds a removed file, and the next start would lock a new one: lock the file at the path
+            with contextlib.suppress(OSError):
+                held, there = os.fstat(fd), os.stat(self.path)
+                if (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino):
+                    break
+            os.close(fd)
+        self.fd = fd
+        if os.fstat(fd).st_size:  # a record, yet no lock: its process ended without releasing it
+            print(f"{self.path}: the run that held it ({lock_holder(fd, 'its record unreadable')}) ended without "
+                  f"releasing it (killed?); this run takes out_dir over", flush=True)
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
+                  "started_at": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command}
+        with contextlib.suppress(OSError):  # the record only informs (a full disk: the lock holds without it)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+
+    def release(self):
+        """The end of the run (however it ends): the file removed, then the lock let go."""
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            held, there = os.fstat(self.fd), os.stat(self.path)
+            if (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino):
+                os.remove(self.path)
+        os.close(self.fd)
+        self.fd = None
+
+
+def claim_out_dir(out_dir, command):
+    """The start's hold on out_dir (rank 0): writable (check_writable), then locked (OutDirLock) before
+    anything in it is moved or written."""
+    check_writable(out_dir)
+    return OutDirLock(out_dir, command)
+
+
+def lock_holder(fd, unknown):
+    """Who holds (or held) a lock, from its file: 'pid N on HOST, started ...' (unknown: no record to read)."""
+    try:
+        record = json.loads(os.pread(fd, 65536, 0).decode())
+        return f"pid {record['pid']} on {record['host']}, started {record['started_at']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return unknown
 
 
 def run_started(out_dir, files):
@@ -131,9 +220,16 @@ def write_run_record(out_dir, cfg, argv, world):
     configuration as of its last save)."""
     record = {"started": time.time(), "started_at": time.strftime("%Y-%m-%d %H:%M:%S"),
               "command": command_line(argv, world), "config": cfg}
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(record, f, indent=1, default=str)
-        f.write("\n")
+    path = os.path.join(out_dir, "config.json")
+    try:  # atomic, as a checkpoint: a failed write (a full disk) leaves no torn or empty config.json
+        with open(path + ".tmp", "w") as f:
+            json.dump(record, f, indent=1, default=str)
+            f.write("\n")
+        os.replace(path + ".tmp", path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        raise ConfigError(f"cannot write {path} ({e.strerror or e}); {write_fix(e)}use another --out_dir") from None
 
 
 # -----------------------------------------------------------------------------
@@ -259,11 +355,13 @@ class StopSignals:
 
     def __init__(self, repeat_exits=False, abort_message=lambda: ""):
         self.signum, self.repeat_exits, self.abort_message = 0, repeat_exits, abort_message
+        self.aborted = 0  # the second signal's number, once one has raised Interrupted
 
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
         if self.signum and self.repeat_exits:
             self.restore()
+            self.aborted = signum
             raise Interrupted(self.abort_message(), signum)
         if not self.signum:
             print(f"got {name}: saving a checkpoint after this step (an eval stops at its next batch), then "
@@ -278,6 +376,12 @@ class StopSignals:
     def restore(self):
         for s, handler in self.previous.items():
             signal.signal(s, handler)
+
+    def abort(self):
+        """The Interrupted of a second signal, again, for code that the handler's raise went through and
+        came out as something else: torch.save's zip writer, interrupted inside a write, raises a
+        RuntimeError of its own on the way out. None when no second signal came."""
+        return Interrupted(self.abort_message(), self.aborted) if self.aborted else None
 
 
 def keep_best_checkpoint(ckpt_path, out_dir):
@@ -347,6 +451,19 @@ class RunKeeper:
         return (f"interrupted by {name} before iteration {iter_num}"
                 + (" (its eval broken off: the resume runs it first)" if eval_due else "")
                 + f"; checkpoint in {self.ckpt_path}. Resume with: {self.resume()}")
+
+    def save_broken_off(self, e, iter_num, stop):
+        """What a save that raised e ends with, its temp file removed (ckpt.pt stays as it was): a second
+        signal (stop: StopSignals) that came inside torch.save exits as that signal, whatever torch.save
+        raised on the way out (its zip writer's RuntimeError); an OSError (a full disk: save_checkpoint
+        turns torch's RuntimeError back into it; a folder gone) is save_failed's one line; anything else
+        is e itself."""
+        with contextlib.suppress(OSError):
+            os.remove(self.ckpt_path + ".tmp")
+        abort = stop.abort() if stop is not None else None
+        if abort and not isinstance(e, Interrupted):
+            return abort
+        return self.save_failed(iter_num, e) if isinstance(e, OSError) else e
 
     def save_failed(self, iter_num, e):
         """A full disk, a folder gone: one line, the last checkpoint kept."""

@@ -346,7 +346,7 @@ def read_step_times(path):
         devices = sorted({r["device"] for r in rows})
     except (OSError, KeyError, ValueError, csv.Error):
         raise ConfigError(f"step_times={path} is not bench.py's step times: make it with python bench.py "
-                          f"--section=steps --sweep=<sweep config> --out={path}") from None
+                          f"--section=steps --sweep=config/<sweep>.py --steps_out={path}") from None
     return ratios, " + ".join(devices)
 
 

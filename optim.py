@@ -26,8 +26,16 @@ does not do, added here:
   dicts), so the LR schedule, zero_grad, GradScaler.unscale_, step hooks and checkpoints see one optimizer.
 """
 
+import atexit
+import os
+import shutil
+import sys
+import tempfile
+
 import torch
 import torch.nn as nn
+
+from configurator import ConfigError
 
 
 def configure_optimizers(model, weight_decay, learning_rate, betas, gate_lr_scale=1.0, gate_decay=False, muon=None):
@@ -37,6 +45,7 @@ def configure_optimizers(model, weight_decay, learning_rate, betas, gate_lr_scal
     with gate_lr_scale != 1 the gates of a mode with gate_parameters() (nag); gate_decay=True decays the
     gates' matrices (an ablation). muon (a dict: lr, momentum, weight_decay, adjust_lr_fn), or None for
     AdamW alone: Muon trains the hidden matrices (hidden_matrices), AdamW the rest as above."""
+    check_compile_cache()
     stream = model.stream
     if (gate_lr_scale != 1.0 or gate_decay) and not hasattr(stream, "gate_parameters"):
         raise ValueError(f"gate_lr_scale={gate_lr_scale}, gate_decay={gate_decay} only apply to residual=nag")
@@ -69,6 +78,33 @@ def configure_optimizers(model, weight_decay, learning_rate, betas, gate_lr_scal
     lr = muon.pop("lr")  # the schedule scales it as AdamW's: lr_scale is its ratio to learning_rate
     matrix_group = {"params": matrices, "lr": lr, "lr_scale": lr / learning_rate}
     return MuonAdamW([matrix_group], groups, muon, dict(lr=learning_rate, betas=betas))
+
+
+def check_compile_cache():
+    """torch's optimizers import torch._dynamo when they are built, and that import makes torch.compile's cache
+    folder, $TORCHINDUCTOR_CACHE_DIR (unset: a folder in the temp folder, which tempfile finds writable). One that
+    cannot be made or written (one under a read-only HOME, say) would be a traceback at the start of every run,
+    compiled or not: a fresh temporary folder stands in for it in this process, removed at exit, and a line says
+    so; with no temporary folder to be had either, a one-line error names the fix."""
+    path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not path or "torch._dynamo" in sys.modules:  # imported: the folder was made
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+        if os.access(path, os.W_OK | os.X_OK):
+            return
+        problem = "is not writable"
+    except OSError as e:
+        problem = f"cannot be made ({e.strerror})"
+    try:
+        stand_in = tempfile.mkdtemp(prefix="torchinductor_")
+    except OSError:
+        raise ConfigError(f"TORCHINDUCTOR_CACHE_DIR {path} {problem}: set TORCHINDUCTOR_CACHE_DIR to a writable "
+                          f"folder (torch's optimizers make it, even without --compile)") from None
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = stand_in
+    atexit.register(shutil.rmtree, stand_in, ignore_errors=True)
+    print(f"note: TORCHINDUCTOR_CACHE_DIR {path} {problem}: torch.compile's cache is {stand_in} for this run "
+          f"(set TORCHINDUCTOR_CACHE_DIR to a writable folder to keep it)", file=sys.stderr, flush=True)
 
 
 def hidden_matrices(model, decayed):

@@ -12,6 +12,7 @@ Its decisions are written into that configuration (cfg), which the checkpoint sa
 """
 
 import math
+import sys
 
 from configurator import ConfigError
 
@@ -20,7 +21,8 @@ WARMUP_CAP = 0.1  # with a budget, warmup_iters is at most this fraction of its 
 
 class RunPlan:
     """The iterations and LR of one run. cfg: train.py's configuration (max_iters, warmup_iters, lr_decay_iters,
-    learning_rate, min_lr, decay_lr, max_flops, max_seconds), filled in and updated in place.
+    learning_rate, min_lr, decay_lr, max_flops, max_seconds, nag_alpha_warmup_tokens, eval_interval), filled in
+    and updated in place.
     flops_per_token: training FLOPs per token (flops.train_flops_per_token); dense_note: a note for a budget
     counted dense (MoD without a fixed capacity); resumed_cfg: the checkpoint's configuration on resume."""
 
@@ -69,6 +71,10 @@ class RunPlan:
                   f"{cfg['max_iters']:,} iters, warmup_iters {cfg['warmup_iters']:,}"
                   + (f" (capped at {WARMUP_CAP:.0%} of the iters)" if capped else "")
                   + f", lr_decay_iters {cfg['lr_decay_iters']:,}" + dense_note)
+            if cfg["decay_lr"] and cfg["lr_decay_iters"] > cfg["max_iters"]:  # set apart from max_iters, and longer
+                print(f"warning: lr_decay_iters {cfg['lr_decay_iters']:,} > the budget's {cfg['max_iters']:,} iters: "
+                      f"the run ends before the cosine does, at LR {self.lr(cfg['max_iters']):.2e}, not min_lr; to "
+                      f"decay over the run, --lr_decay_iters={cfg['max_iters']}", file=sys.stderr, flush=True)
 
     def plan_deadline(self, resumed_cfg, ddp):
         """max_seconds (equal time): at_step sets the iterations at every step boundary."""

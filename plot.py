@@ -435,6 +435,12 @@ def main(argv):
         raise ConfigError(f"--text and --batches apply to routing, not {cmd}: drop them")
     if isinstance(cfg["batches"], bool) or not isinstance(cfg["batches"], int) or cfg["batches"] < 1:
         raise ConfigError(f"--batches must be a positive integer, got {cfg['batches']!r}")
+    if cfg["out"] is not None and cmd != "table":  # before drawing: savefig would refuse it at the end
+        formats = sorted(plt.figure().canvas.get_supported_filetypes())
+        plt.close()
+        if os.path.splitext(str(cfg["out"]))[1][1:].lower() not in formats:
+            raise ConfigError(f"--out={cfg['out']}: end the name with a format matplotlib writes "
+                              f"({', '.join(formats)}), e.g. --out={cmd}.png")
 
     if cmd == "table":
         text = table(out_dirs, cfg["baseline"])

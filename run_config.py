@@ -11,6 +11,7 @@ import math
 import os
 import pickle
 import sys
+import zipfile
 from collections import namedtuple
 from dataclasses import fields
 
@@ -33,9 +34,9 @@ DEFAULTS = dict(
     eval_interval=250,  # iterations between evals (each logs to log.jsonl and may save a checkpoint)
     log_interval=10,  # iterations between the printed step lines
     eval_iters=200,  # batches per split the eval losses average over
-    eval_only=False,  # True: one eval, then exit (a checkpoint it read stays as it was)
-    final_eval_tokens=2 ** 18,  # the run's end: one eval on the val split's first this-many tokens (all of a shorter
-    # split), the same tokens for every run (final_eval.json; flops.py's val_loss); 0: none
+    eval_only=False,  # True, with init_from='resume': one eval of out_dir's checkpoint, logged; ckpt.pt stays as it was
+    # final_eval_tokens: the same tokens for every run of a dataset and block_size; flops.py's val_loss
+    final_eval_tokens=2 ** 18,  # the run's end: one eval on the val split's first this-many tokens (all of a shorter split; final_eval.json); 0: none
     always_save_checkpoint=True,  # False: save only when the val loss improves
     init_from="scratch",  # 'scratch' or 'resume'
     diagnose=False,  # log model.diagnostics() of a fixed val batch with every eval (plot with plot.py)
@@ -112,7 +113,8 @@ def check_training_values(cfg, master=None):
     """The optimizer's and the LR schedule's numbers of a train.py configuration, before anything is
     built or written: a value AdamW or the schedule cannot take is a one-line ConfigError that names
     the fix. Then warnings (rank 0; master None: from $RANK) for what runs but is likely a mistake: a
-    warm-up as long as the run, and kernels=triton on a CPU."""
+    warm-up as long as the run, a cosine that ends after the run (its LR never reaches min_lr), and
+    kernels=triton on a CPU."""
     def need(ok, key, what, example):
         if not ok:
             raise ConfigError(f"{key} must be {what}, got {cfg[key]!r} (e.g. --{key}={example})")
@@ -139,6 +141,14 @@ def check_training_values(cfg, master=None):
         print(f"warning: warmup_iters {cfg['warmup_iters']} >= max_iters {cfg['max_iters']}: the whole run is "
               f"warm-up and the LR never reaches learning_rate; lower it, e.g. "
               f"--warmup_iters={math.ceil(0.1 * cfg['max_iters'])}", file=sys.stderr, flush=True)
+    elif (cfg["init_from"] == "scratch" and not budget and not cfg["eval_only"] and cfg["decay_lr"]
+          and isinstance(cfg["max_iters"], int)
+          and cfg["lr_decay_iters"] is not None and 0 < cfg["max_iters"] < cfg["lr_decay_iters"]):
+        from plan import RunPlan  # the schedule's own LR at the run's end
+        end_lr = RunPlan(dict(cfg), 1, 1.0, verbose=False).lr(cfg["max_iters"])
+        print(f"warning: lr_decay_iters {cfg['lr_decay_iters']} > max_iters {cfg['max_iters']}: the run ends before "
+              f"the cosine does, at LR {end_lr:.2e}, not min_lr; to decay over the run, "
+              f"--lr_decay_iters={cfg['max_iters']}", file=sys.stderr, flush=True)
     if cfg["kernels"] == "triton" and (cfg["device"] == "cpu" or (cfg["device"] == "auto"
                                                                   and not torch.cuda.is_available())):
         print(KERNELS_ON_CPU, file=sys.stderr, flush=True)
@@ -277,12 +287,19 @@ def get_batch(path, batch_size, block_size, generator, device):
 
 def save_checkpoint(obj, path):
     """Atomic: write a temp file, flush it to disk, then rename over the old checkpoint, so a crash
-    at any moment leaves either the old or the new checkpoint, never a torn one."""
+    at any moment leaves either the old or the new checkpoint, never a torn one. A write the disk
+    refuses (full, gone) raises the OSError the file raised (write_error)."""
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except RuntimeError as e:
+        cause = write_error(e)
+        if cause is None:
+            raise
+        raise cause from None
     os.replace(tmp, path)
     if hasattr(os, "O_DIRECTORY"):  # make the rename itself survive a power cut
         fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
@@ -292,10 +309,36 @@ def save_checkpoint(obj, path):
             os.close(fd)
 
 
+def write_error(e):
+    """The OSError behind e, or None. When its file's write fails (a full disk), torch's zip writer raises
+    a RuntimeError of its own while handling that OSError ("[enforce fail at inline_container.cc] ...
+    unexpected pos"): the OSError is its __context__. Any other RuntimeError has none and stays what it is."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def damaged_entry(path):
+    """The first entry of a checkpoint (torch.save's zip: the pickle, each tensor's bytes, the model's and
+    the optimizer's) whose bytes do not match the CRC-32 torch's zip writer stored for it, None when all
+    match. torch.load never checks them: bytes overwritten on disk would load as other weights, silently.
+    None too for a file that is no zip (a truncated one, which torch.load refuses; torch's legacy format).
+    Reads the file once, about a tenth of torch.load's time (GPT-2 small: 0.27 s against 1.9 s)."""
+    if not zipfile.is_zipfile(path):
+        return None
+    with zipfile.ZipFile(path) as z:
+        return z.testzip()
+
+
 def load_checkpoint(path, device, reader=False):
-    """out_dir/ckpt.pt; a missing or damaged one is a one-line ConfigError. reader: the caller reads a
-    trained run (sample.py, tradeoff.py, bench.py, plot.py), so the fix is the --out_dir of one; else it
-    is train.py resuming, which may start over instead (--init_from=scratch)."""
+    """out_dir/ckpt.pt, its checksums checked (damaged_entry); a missing or damaged one is a one-line
+    ConfigError. reader: the caller reads a trained run (sample.py, tradeoff.py, bench.py, plot.py), so the
+    fix is the --out_dir of one; else it is train.py resuming, which may start over instead
+    (--init_from=scratch)."""
     if not os.path.exists(path):
         kept = sorted(glob.glob(os.path.join(os.path.dirname(path), "run-*", "ckpt.pt")))  # earlier runs set aside
         if reader and kept:
@@ -306,13 +349,21 @@ def load_checkpoint(path, device, reader=False):
             raise ConfigError(f"no checkpoint at {path}: pass --out_dir=DIR, the folder of a trained run "
                               f"(python train.py ... --out_dir=DIR writes DIR/ckpt.pt)")
         raise ConfigError(f"no checkpoint at {path}: check --out_dir (or train with --init_from=scratch)")
+    fix = "restore it from a copy or train the run again" if reader else \
+        "restore it from a copy or start with --init_from=scratch"
     try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
-        ckpt["model"], ckpt["model_args"], ckpt["iter_num"]
+        damaged = damaged_entry(path)
+        if damaged is None:
+            ckpt = torch.load(path, map_location=device, weights_only=True)
+            ckpt["model"], ckpt["model_args"], ckpt["iter_num"]
     except Exception as e:
-        fix = "restore it from a copy or train the run again" if reader else \
-            "restore it from a copy or start with --init_from=scratch"
         raise ConfigError(f"checkpoint {path} is corrupt or truncated ({type(e).__name__}); {fix}") from None
+    if damaged is not None:
+        best = os.path.join(os.path.dirname(path), "ckpt_best.pt")  # kept by an interrupt (keep_best_checkpoint)
+        if os.path.isfile(best) and not os.path.samefile(best, path):
+            fix = fix.replace("from a copy", f"from a copy (this run's best model: {best})")
+        raise ConfigError(f"checkpoint {path} is corrupt: its checksum does not match (its entry {damaged} "
+                          f"changed on disk after it was written); {fix}")
     return ckpt
 
 
@@ -328,26 +379,69 @@ def model_from_checkpoint(ckpt, device, **overrides):
     return model.to(device).eval()
 
 
+def dataset_vocab(ddir):
+    """The vocabulary of the dataset in ddir, as train.py stores it in a checkpoint: a character dataset's
+    tokens in id order (meta.pkl's itos), else the name of its BPE encoding (meta.pkl's tokenizer; no
+    meta.pkl: gpt2, as dataset_vocab_size has it)."""
+    meta_path = os.path.join(ddir, "meta.pkl")
+    if not os.path.exists(meta_path):
+        return {"vocab_size": 50257, "encoding": "gpt2"}
+    with open(meta_path, "rb") as f:
+        meta = pickle.load(f)
+    if "itos" in meta:
+        return {"vocab_size": meta["vocab_size"], "itos": [meta["itos"][i] for i in range(meta["vocab_size"])]}
+    return {"vocab_size": meta["vocab_size"], "encoding": meta.get("tokenizer", "gpt2")}
+
+
+def vocab_difference(ckpt, ddir):
+    """How the vocabulary of the dataset in ddir differs from the checkpoint's (a dataset prepared again,
+    in place, from another text maps the ids to other tokens), or None: the same, or a checkpoint from
+    before checkpoints carried their vocabulary."""
+    carried = ckpt.get("vocab")
+    if carried is None:
+        return None
+    now = dataset_vocab(ddir)
+    if now == carried:
+        return None
+    if "itos" in now and "itos" in carried:
+        moved = sum(a != b for a, b in zip(now["itos"], carried["itos"])) + abs(len(now["itos"]) - len(carried["itos"]))
+        return f"{moved} of its {carried['vocab_size']} ids map to other characters in {ddir}/meta.pkl"
+    def name(v):
+        return f"the {v['encoding']} encoding" if "encoding" in v else f"{v['vocab_size']} characters"
+    return f"it trained on {name(carried)}, {ddir} has {name(now)}"
+
+
 def load_codec(ckpt):
-    """encode/decode for the checkpoint's dataset: its meta.pkl (character vocab) or gpt2 BPE."""
-    cfg = ckpt.get("config", {})
-    meta_path = os.path.join(cfg.get("data_dir", "data"), cfg.get("dataset", ""), "meta.pkl")
-    if os.path.exists(meta_path):
-        with open(meta_path, "rb") as f:
-            meta = pickle.load(f)
-        if "stoi" in meta:
-            stoi, itos = meta["stoi"], meta["itos"]
+    """encode/decode for the checkpoint's vocabulary: the one it carries (train.py stores dataset_vocab),
+    else, in a checkpoint from before that, its dataset's meta.pkl as it is now (a character vocab) or gpt2
+    BPE. Without either, or where tiktoken cannot load the encoding (offline), a one-line ConfigError."""
+    vocab = ckpt.get("vocab")
+    if vocab is None:
+        cfg = ckpt.get("config", {})
+        ddir = os.path.join(cfg.get("data_dir", "data"), cfg.get("dataset", ""))
+        vocab = dataset_vocab(ddir)
+        if "encoding" in vocab and ckpt["model_args"]["vocab_size"] < vocab["vocab_size"]:  # no meta.pkl: no BPE model
+            raise ConfigError(f"the checkpoint carries no vocabulary (it predates that) and its dataset's "
+                              f"{os.path.join(ddir, 'meta.pkl')} is missing: prepare the dataset it trained on "
+                              f"there again (python data/{cfg.get('dataset', 'NAME')}/prepare.py)")
+    if "itos" in vocab:
+        itos = vocab["itos"]
+        stoi = {c: i for i, c in enumerate(itos)}
 
-            def encode(s):
-                missing = sorted(set(c for c in s if c not in stoi))
-                if missing:
-                    raise ConfigError(f"the text has characters outside the vocabulary: {missing!r}")
-                return [stoi[c] for c in s]
-            return encode, lambda ids: "".join(itos[i] for i in ids)
-    import tiktoken
-    enc = tiktoken.get_encoding("gpt2")
+        def encode(s):
+            missing = sorted(set(c for c in s if c not in stoi))
+            if missing:
+                raise ConfigError(f"the text has characters outside the vocabulary: {missing!r}")
+            return [stoi[c] for c in s]
+        return encode, lambda ids: "".join(itos[i] for i in ids)
+    try:
+        import tiktoken
+        enc = tiktoken.get_encoding(vocab["encoding"])
+    except Exception as e:
+        raise ConfigError(f"cannot load the {vocab['encoding']} BPE encoding the checkpoint uses (tiktoken: "
+                          f"{type(e).__name__}); tiktoken downloads it once: run with internet access, or set "
+                          f"TIKTOKEN_CACHE_DIR to a folder holding a cached copy") from None
     return (lambda s: enc.encode(s, allowed_special={"<|endoftext|>"})), enc.decode
-
 
 
 MISSING = "–"  # in a table: a figure a run did not log, or a test with nothing to test
@@ -449,18 +543,24 @@ def load_log(out_dir):
     path = os.path.join(out_dir, "log.jsonl")
     if not os.path.isfile(path):
         raise ConfigError(f"no log at {path} (train.py writes one into its --out_dir)")
-    records = {}
-    with open(path) as f:
+    records, skipped = {}, 0
+    with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                r = json.loads(line)
-            except json.JSONDecodeError:  # a line cut mid-write (a crash, a full disk): the others still count
+                r = json.loads(line.decode("utf-8"))
+                r["iter"]
+            except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, IndexError):
+                # a line cut mid-write (a crash, a full disk): the others still count
                 print(f"warning: {path} line {n} is not JSON (cut mid-write?): skipped", file=sys.stderr, flush=True)
+                skipped += 1
                 continue
             # a run resumed from an older checkpoint logs some iters again: the later record wins
             records[r["iter"]] = r
+    if skipped and not records:  # not one record: not a log train.py wrote (JSON lines, in UTF-8)
+        raise ConfigError(f"{path} is not a train.py log ({skipped} line(s), none a JSON record with its iter): "
+                          f"pass the out_dir of a train.py run")
     return [records[i] for i in sorted(records)]
 
 

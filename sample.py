@@ -7,6 +7,10 @@ Sample from a trained nanodepth model.
     python sample.py --out_dir=out-nag-mod --kv_cache=False   # recompute the context every token (comparison)
     python sample.py --out_dir=out-nag-mod --kernels=torch    # the plain PyTorch references (a run setting)
 
+The text is encoded and decoded with the vocabulary the checkpoint carries, whatever the dataset's
+meta.pkl holds now (a checkpoint from before checkpoints carried it: that meta.pkl, or gpt2 BPE); a
+checkpoint whose bytes changed on disk is refused (run_config.load_checkpoint checks its checksums).
+
 Generation uses a per-layer KV cache by default (kv_cache=True). tokens/s goes to stderr, and for a
 Mixture-of-Depths model (mod != none) so does the realised skip rate of every sublayer per new token:
 for each token sampled, whether the position it was sampled from (the prompt's last token, then each

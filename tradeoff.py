@@ -49,7 +49,7 @@ import torch
 from configurator import ConfigError, configure
 from flops import forward_flops
 from model import GPT, GPTConfig
-from run_config import EVAL_SEED, find_data, get_batch, load_checkpoint, pick_device, sublayer_names
+from run_config import EVAL_SEED, find_data, get_batch, load_checkpoint, pick_device, sublayer_names, vocab_difference
 
 DEFAULTS = dict(
     out_dir="out",  # the checkpoint is out_dir/ckpt.pt
@@ -293,6 +293,10 @@ def main(argv):
     if vocab_size != config.vocab_size:
         raise ConfigError(f"the checkpoint has vocab_size {config.vocab_size} but dataset {data['dataset']} has "
                           f"{vocab_size}; pass the --dataset it was trained on")
+    changed = vocab_difference(ckpt, os.path.join(data["data_dir"], data["dataset"]))
+    if changed:  # a dataset prepared again from another text: its losses would be of re-mapped tokens
+        raise ConfigError(f"dataset {data['dataset']} has another vocabulary than the checkpoint ({changed}); "
+                          f"pass the data it was trained on (--data_dir, --dataset)")
     T = config.block_size
     if os.path.getsize(paths["val"]) // 2 <= T:
         raise ConfigError(f"the val split of {data['dataset']} is shorter than block_size {T} + 1 tokens")

@@ -12,7 +12,8 @@ Resume the run in out_dir (what the command line does not set comes from its che
 Mixture-of-Depths (GPTConfig's keys mod, mod_rate, skip_target, ... are config keys too):
     python train.py config/shakespeare_char_cpu.py --residual=nag --mod=nag --mod_rate=0.25
     python train.py config/shakespeare_char_cpu.py --residual=sandwich --mod=skip_middle --mod_rate=0.25
-A start from scratch moves an earlier run in out_dir into out_dir/run-<its start time>/.
+A start from scratch moves an earlier run in out_dir into out_dir/run-<its start time>/. One run at a time
+writes in an out_dir (out_dir/.lock); --eval_only=True evaluates the checkpoint of --init_from=resume.
 Ctrl-C (SIGINT) or SIGTERM checkpoints at the next step boundary (an eval stops at its next batch) and
 prints the resume command; a second one exits at once (under DDP the ranks agree on the step at log
 iterations, so the stop may come up to log_interval steps later).
@@ -35,13 +36,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from configurator import ConfigError, configure
 from flops import counted_dense, mfu, train_flops_per_token
 from guards import (Interrupted, RunKeeper, StopSignals, TrainingStopped, ZeroGradientCheck, check_bad_steps,
-                    check_resume_changes, check_writable, explicit_keys, keep_best_checkpoint, key_sources,
-                    repair_torn_log, resolve_model_args, restore_rng, resumed_config, rng_state,
-                    set_aside_previous_run, write_run_record)
+                    check_resume_changes, claim_out_dir, command_line, explicit_keys,
+                    keep_best_checkpoint, key_sources, repair_torn_log, resolve_model_args, restore_rng,
+                    resumed_config, rng_state, set_aside_previous_run, write_run_record)
 from model import GPT
 from plan import RunPlan
-from run_config import (DEFAULTS, EVAL_SEED, HELP_FROM, find_data, format_duration, get_batch, load_checkpoint,
-                        model_config, muon_settings, pick_device, save_checkpoint)
+from run_config import (DEFAULTS, EVAL_SEED, HELP_FROM, dataset_vocab, find_data, format_duration, get_batch,
+                        load_checkpoint, model_config, muon_settings, pick_device, save_checkpoint, vocab_difference)
 
 POSITIVE_KEYS = ("batch_size", "gradient_accumulation_steps", "eval_interval", "log_interval", "eval_iters")
 WANDB_NAMES = {"train_loss": "train/loss", "val_loss": "val/loss"}  # log.jsonl's names that wandb gets as nanoGPT's
@@ -68,11 +69,16 @@ class Trainer:
         self.master = self.rank == 0
         ckpt = self.find_inputs()
         self.plan_run()
-        if self.master:
-            check_writable(cfg["out_dir"])
-        self.build_model(ckpt)
-        self.wandb_run = start_wandb(cfg) if cfg["wandb_log"] and self.master else None
-        self.open_out_dir()
+        # rank 0 holds out_dir (OutDirLock) from here until run() ends; a start that fails lets it go
+        self.lock = claim_out_dir(cfg["out_dir"], command_line(argv, self.world)) if self.master else None
+        try:
+            self.build_model(ckpt)
+            self.wandb_run = start_wandb(cfg) if cfg["wandb_log"] and self.master else None
+            self.open_out_dir()
+        except BaseException:
+            if self.lock:
+                self.lock.release()
+            raise
 
     def loop(self):
         """The training loop: each iteration takes five steps, then iter_num moves on."""
@@ -122,7 +128,7 @@ class Trainer:
     def run(self):
         """Train (loop); returns the best val loss. However the loop ends (max_iters, a signal, bad steps,
         an error), the wandb run is finished, with the exit code the process gets, and its data is on disk
-        before run returns or raises."""
+        before run returns or raises; then out_dir's lock is released."""
         exit_code = 1
         try:
             self.loop()
@@ -133,6 +139,8 @@ class Trainer:
         finally:
             if self.wandb_run:
                 finish_wandb(self.wandb_run, exit_code)
+            if self.lock:
+                self.lock.release()  # the last write is done: another run may take out_dir
         return self.best_val_loss
 
     # --- setup
@@ -151,9 +159,9 @@ class Trainer:
             cfg.update(resumed_config(cfg, self.ckpt_cfg, self.explicit))
             cfg.update(resolve_model_args(cfg, ckpt["model_args"], self.explicit))
         self.paths, self.vocab_size = find_data(cfg, self.master)
-        if ckpt is not None and ckpt["model_args"]["vocab_size"] != self.vocab_size:
-            raise ConfigError(f"the checkpoint has vocab_size {ckpt['model_args']['vocab_size']} but dataset "
-                              f"{cfg['dataset']} has {self.vocab_size}; use the dataset it was trained on")
+        self.vocab = dataset_vocab(os.path.join(cfg["data_dir"], cfg["dataset"]))  # the checkpoint carries it
+        if ckpt is not None:
+            check_same_dataset(cfg, ckpt, self.vocab_size)
         check_block_fits(cfg, self.paths)
         self.gptconf = model_config(cfg, self.vocab_size)
         check_nag_recipe(cfg)  # after the model keys: on resume, residual comes from the checkpoint
@@ -284,10 +292,11 @@ class Trainer:
         return estimate_loss(self.eval_model, self.paths, self.cfg, self.device, self.autocast,
                              lambda: stop is not None and stop.signum, self.eval_progress)
 
-    def eval_progress(self, done, n, spent):
-        """A long eval's progress line (rank 0); the first one on the CPU that shows a slow eval warns."""
+    def eval_progress(self, done, n, spent, counts):
+        """A long eval's progress line (rank 0): done of its n batches, counts says which; the first one on
+        the CPU that shows a slow eval warns."""
         left = spent / done * (n - done)
-        print(f"eval at iter {self.iter_num}: {done}/{n} batches in {format_duration(spent)}, "
+        print(f"eval at iter {self.iter_num}: {counts} in {format_duration(spent)}, "
               f"about {format_duration(left)} left (Ctrl-C stops it)", flush=True)
         if self.device.type == "cpu":
             self.keeper.warn_slow_eval(spent + left, n)
@@ -295,7 +304,7 @@ class Trainer:
     def eval_record(self, losses, lr, flops):
         """log.jsonl's record of this eval: losses, speed and MFU since the last eval, the run's FLOPs,
         MoD executed fractions, and the diagnostics (--diagnose)."""
-        cfg, stats, n = self.cfg, self.stats, self.clock.iters_since
+        cfg, n = self.cfg, self.clock.iters_since
         ms = 1000 * self.clock.train_time / max(n, 1)
         record = {"iter": self.iter_num, "tokens": self.iter_num * self.tokens_per_iter,
                   "train_loss": round(losses["train"], 6), "val_loss": round(losses["val"], 6),
@@ -305,14 +314,7 @@ class Trainer:
         recent = (flops - self.flops_last) / (n * self.tokens_per_iter) if n else self.flops_per_token
         record["mfu"] = mfu(recent, record["tokens_per_s"], self.gpu_name, self.world)
         if self.gptconf.mod != "none":
-            # the mean over the training micro-steps since the last eval (None: none yet), and eval
-            # routing (thresholds tau) on the last val batch
-            fracs = {"train": [x / stats.exec_n for x in stats.exec_sum] if stats.exec_n else None,
-                     "eval": self.raw_model.executed_fraction() if cfg["eval_iters"] else None}
-            for k, frac in fracs.items():
-                record[f"exec_{k}"] = None if frac is None else [round(x, 4) for x in frac]
-            print(f"step {self.iter_num}: executed fraction (mean over sublayers) " + ", ".join(
-                f"{k} {sum(frac) / len(frac):.3f}" for k, frac in fracs.items() if frac is not None))
+            record.update(executed_fractions(self.stats, self.raw_model, cfg["eval_iters"], self.iter_num))
         if cfg["diagnose"]:
             X, _ = get_batch(self.paths["val"], cfg["batch_size"], cfg["block_size"],
                              torch.Generator().manual_seed(EVAL_SEED), self.device)
@@ -342,20 +344,20 @@ class Trainer:
 
     def save(self, rngs, flops, seconds, val_loss=None):
         """ckpt.pt, atomically (a temp file renamed over it); eval_due: the eval of iter_num is still to run.
-        A save broken off (a second signal) removes its temp file: ckpt.pt stays as it was."""
+        A save broken off (a second signal) removes its temp file: ckpt.pt stays as it was, and the process
+        exits as a second signal does (StopSignals.abort), whatever torch.save raised on the way out."""
         try:
             save_checkpoint({
                 "model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scaler": self.scaler.state_dict(), "model_args": asdict(self.gptconf),
                 "iter_num": self.iter_num, "best_val_loss": self.best_val_loss, "config": self.cfg, "rng": rngs,
-                "flops": flops, "seconds": seconds, "eval_due": self.eval_due,
+                "flops": flops, "seconds": seconds, "eval_due": self.eval_due, "vocab": self.vocab,
             }, self.ckpt_path)
-        except BaseException as e:
-            with contextlib.suppress(OSError):
-                os.remove(self.ckpt_path + ".tmp")
-            if isinstance(e, OSError):  # a full disk, a folder gone: one line, the last checkpoint kept
-                raise self.keeper.save_failed(self.iter_num, e) from None
-            raise
+        except BaseException as e:  # the temp file goes; a second signal, a full disk: one line (guards.py)
+            stopped = self.keeper.save_broken_off(e, self.iter_num, getattr(self, "stop", None))
+            if stopped is e:
+                raise
+            raise stopped from None
         self.keeper.saved = (self.iter_num, val_loss)
         print(f"saved checkpoint to {self.ckpt_path}")
 
@@ -680,9 +682,9 @@ def print_start(model, optimizer, cfg, world, accum, tokens_per_iter):
         print(f"optimizer: Muon (LR {cfg['muon_lr']:g}) on {n / 1e6:.2f}M params of hidden matrices, "
               f"AdamW (LR {cfg['learning_rate']:g}) on the rest")
     if cfg["device"] == "cpu" and cfg["dtype"] == "float16":
-        print("WARNING: float16 on the CPU has no fast kernels: it runs over 10x slower than float32 "
-              "(the quickstart: 12x to 16x); use --dtype=float32 (auto picks it on the CPU)",
-              file=sys.stderr, flush=True)
+        print("WARNING: float16 on the CPU is slower than float32, by a factor that depends on the CPU (the "
+              "quickstart's steps: 1.2x to 1.7x on one, 11x on one without float16 instructions); use "
+              "--dtype=float32 (auto picks it on the CPU)", file=sys.stderr, flush=True)
 
 
 def wrap_ddp(model, device, unused_parameters):
@@ -733,14 +735,27 @@ def leave_process_group(barrier=True):
 # evals: the losses of each eval iteration, and the run's final eval
 
 @torch.no_grad()
+def executed_fractions(stats, model, eval_iters, iter_num):
+    """MoD's executed fraction per sublayer, log.jsonl's exec_train and exec_eval (None: none yet), their
+    means printed: the mean over the training micro-steps since the last eval, and eval routing
+    (thresholds tau) on the last val batch."""
+    fracs = {"train": [x / stats.exec_n for x in stats.exec_sum] if stats.exec_n else None,
+             "eval": model.executed_fraction() if eval_iters else None}
+    print(f"step {iter_num}: executed fraction (mean over sublayers) " + ", ".join(
+        f"{k} {sum(frac) / len(frac):.3f}" for k, frac in fracs.items() if frac is not None))
+    return {f"exec_{k}": None if frac is None else [round(x, 4) for x in frac] for k, frac in fracs.items()}
+
+
 def estimate_loss(model, paths, cfg, device, autocast, stopped, progress):
     """Mean loss on eval_iters fixed batches (seed EVAL_SEED) of each split, in eval mode; None when stopped()
     (a stop signal): it is checked between batches, so an eval (an hour for a GPU-sized model on a CPU) never
     holds a stop up by more than a batch. An eval running longer than EVAL_PROGRESS_S calls progress(done, n,
-    seconds) that often."""
-    n, done = 2 * cfg["eval_iters"], 0
+    seconds, counts: the batches of each split) that often. The model's mode (train) is restored after."""
+    iters = cfg["eval_iters"]
+    n, done = 2 * iters, 0
     t_start = t_shown = time.time()
-    model.eval()
+    training = model.training
+    model.eval()  # no dropout: an eval depends on the weights alone, not on the RNG
     out = {}
     try:
         for split in ("train", "val"):
@@ -756,10 +771,11 @@ def estimate_loss(model, paths, cfg, device, autocast, stopped, progress):
                 done, now = done + 1, time.time()
                 if now - t_shown >= EVAL_PROGRESS_S and done < n:
                     t_shown = now
-                    progress(done, n, now - t_start)
+                    progress(done, n, now - t_start, f"train {min(done, iters)}/{iters}, val {max(done - iters, 0)}/"
+                                                     f"{iters} batches")
             out[split] = losses.mean().item()
     finally:
-        model.train()
+        model.train(training)
     return out
 
 
@@ -779,13 +795,15 @@ def final_eval(model, val_path, cfg, device, autocast, iter_num, path, stopped, 
     least one window), in consecutive windows of block_size, batch_size at a time (whole batches: a compiled
     model sees one shape): the same tokens for every run of a dataset and block_size, so that runs differ by
     their models and not by the batches drawn. path (written atomically) gets the mean loss and its standard
-    error over the windows. Returns False when stopped() broke it off (checked between batches)."""
+    error over the windows. In eval mode, as estimate_loss. Returns False when stopped() broke it off (checked
+    between batches)."""
     T = cfg["block_size"]
     data = np.memmap(val_path, dtype=np.uint16, mode="r")
     windows = max(min(cfg["final_eval_tokens"], len(data) - 1) // T, 1)
     B = min(cfg["batch_size"], windows)
     n, losses, t_start, t_shown = windows // B, [], time.time(), time.time()
-    model.eval()
+    training = model.training
+    model.eval()  # no dropout: the same loss for one model, whatever the RNG (restored after)
     try:
         for k in range(n):
             if stopped():
@@ -798,9 +816,9 @@ def final_eval(model, val_path, cfg, device, autocast, iter_num, path, stopped, 
             losses.append(loss.view(B, T).mean(1).cpu())
             if time.time() - t_shown >= EVAL_PROGRESS_S and k + 1 < n:
                 t_shown = time.time()
-                progress(k + 1, n, t_shown - t_start)
+                progress(k + 1, n, t_shown - t_start, f"{k + 1}/{n} batches of the final eval")
     finally:
-        model.train()
+        model.train(training)
     per_window = torch.cat(losses).double()
     mean, se = per_window.mean().item(), (per_window.std().item() / len(per_window) ** 0.5 if n * B > 1 else 0.0)
     record = {"iter": iter_num, "val_loss": round(mean, 6), "val_se": round(se, 6),
@@ -843,6 +861,9 @@ def check_run_config(cfg):
             raise ConfigError("pretrained GPT-2 weights don't fit nanodepth's backbone (RoPE, RMSNorm, untied head); "
                               "train from scratch (--init_from=scratch) or resume (--init_from=resume)")
         raise ConfigError(f"init_from must be 'scratch' or 'resume', got {cfg['init_from']!r}")
+    if cfg["eval_only"] and cfg["init_from"] != "resume":  # from scratch it would evaluate a random init
+        raise ConfigError(f"eval_only evaluates a checkpoint: add --init_from=resume (out_dir {cfg['out_dir']} "
+                          f"holds the run to evaluate)")
     for key in POSITIVE_KEYS:
         if not isinstance(cfg[key], int) or cfg[key] <= 0:
             raise ConfigError(f"{key} must be a whole number > 0, got {cfg[key]!r}")
@@ -858,6 +879,19 @@ def check_run_config(cfg):
             raise ConfigError(f"max_seconds must be a number of seconds > 0, got {cfg['max_seconds']!r}")
     from run_config import check_training_values  # AdamW's and the schedule's numbers; warnings
     check_training_values(cfg)
+
+
+def check_same_dataset(cfg, ckpt, vocab_size):
+    """A resume trains on the dataset its checkpoint trained on: the same vocab_size, and the same vocabulary
+    (a dataset prepared again, in place, from another text maps the same ids to other tokens)."""
+    if ckpt["model_args"]["vocab_size"] != vocab_size:
+        raise ConfigError(f"the checkpoint has vocab_size {ckpt['model_args']['vocab_size']} but dataset "
+                          f"{cfg['dataset']} has {vocab_size}; use the dataset it was trained on")
+    changed = vocab_difference(ckpt, os.path.join(cfg["data_dir"], cfg["dataset"]))
+    if changed:
+        raise ConfigError(f"dataset {cfg['dataset']} has another vocabulary than the checkpoint ({changed}): "
+                          f"it was prepared again since the run trained; prepare it from the run's text "
+                          f"again, or start with --init_from=scratch")
 
 
 def check_block_fits(cfg, paths):

@@ -84,6 +84,39 @@ def test_a_count_below_one_is_a_one_line_error(arg):
         bench.main(["--section=quickstart", arg])
 
 
+NUMBERS = [k for k, v in bench.DEFAULTS.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def test_every_number_key_is_checked():
+    """Every numeric key of DEFAULTS has its least value in COUNTS (whole numbers) or is max_minutes: a new
+    key without a check fails here."""
+    assert set(NUMBERS) == set(bench.COUNTS) | {"max_minutes"}
+
+
+@pytest.mark.parametrize("key", NUMBERS)
+def test_a_number_below_its_least_is_a_one_line_error_before_anything_runs(key, monkeypatch):
+    """`--section=kernels --reps=-3` exited 0 with every row "failed: IndexError", `--section=model --layers=-1`
+    gave a traceback: each numeric key below its least value is a one-line error before any device is picked
+    or model built."""
+    monkeypatch.setattr(bench, "pick_device", lambda *a: pytest.fail(f"bench ran with a bad --{key}"))
+    monkeypatch.setattr(bench, "bench_gpu", lambda *a: pytest.fail(f"bench ran with a bad --{key}"))
+    least = bench.COUNTS.get(key, 0)
+    bad = [least - 1, -3] if key in bench.COUNTS else [0.0, -1.5]  # a value of another type: configure's error
+    for section in ("kernels", "model", "gpu"):
+        for value in bad:
+            with pytest.raises(ConfigError, match=f"^--{key}={value}: give a ") as e:
+                bench.main([f"--section={section}", f"--{key}={value!r}"])
+            assert "\n" not in str(e.value)
+
+
+def test_help_lists_every_section(capsys):
+    """`bench.py --help` left steps out of its sections: the section key's help names every one of SECTIONS."""
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["section"]]
+    assert set(bench.SECTIONS) <= set(re.findall(r"\w+", line.split("'all'", 1)[1]))
+
+
 def test_bench_compile_prints_every_mode_and_variant(capsys, tiny_steps):
     """--section=compile's table (one layer and two modes here, to stay quick): each mode in every
     variant, with saved-activation ratios to prenorm (the compiled ones through AOTAutograd's partitioner,

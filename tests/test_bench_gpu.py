@@ -300,16 +300,24 @@ def test_gpu_mode_rows_step_muon_when_asked(tmp_path, monkeypatch):
 
 
 def test_the_correctness_check_holds_each_dtype_to_its_own_tolerance():
-    """A fused output 1e-3 off (relative) is a FAIL in fp32 (tolerance 2e-4) and within bf16's 3e-2: an fp32
-    kernel held to bf16's tolerance would pass the fault. The exact one passes in both."""
+    """A fused kernel 1e-3 off (relative) in its output alone, and one 1e-3 off in its gradients alone: each a
+    FAIL in fp32 (tolerance 2e-4), decided by the rows it moved, and within bf16's 3e-2. An fp32 output (or
+    gradient) held to bf16's tolerance would pass its fault: the other rows are exact and cannot decide it. The
+    exact kernel passes in both."""
     def ref(x, w):
         return x * w
 
-    def off(x, w):
-        return x * w * (1 + 1e-3)
+    def off_output(x, w):  # the forward 1e-3 off, the backward exact (the offset carries no gradient)
+        return x * w + (x * w * 1e-3).detach()
+
+    def off_grads(x, w):  # the forward exact (to fp32's rounding), every gradient 1e-3 off
+        return x * w + x * w * 1e-3 - (x * w * 1e-3).detach()
     x, w = torch.randn(8, 32, generator=torch.Generator().manual_seed(0)), torch.rand(32) + 0.5
     for dtype, faulty in ((torch.float32, "FAIL"), (torch.bfloat16, "ok")):
         inputs = [x.to(dtype), w.to(dtype)]
         assert bench.check_kernel(inputs, ref, ref)["result"] == "ok", dtype
-        result = bench.check_kernel(inputs, ref, off)
-        assert result["result"] == faulty and result["tol"] == bench.CHECK_TOL[dtype], (dtype, result)
+        for fused, rows in ((off_output, "output"), (off_grads, "grad of input")):
+            result = bench.check_kernel(inputs, ref, fused)
+            assert result["result"] == faulty and result["tol"] == bench.CHECK_TOL[dtype], (dtype, rows, result)
+            if faulty == "FAIL":
+                assert result["where"].startswith(rows), (dtype, rows, result)

@@ -153,6 +153,42 @@ def test_all_sources_fail(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+BAD_TEXTS = [("empty", b"", "is empty: a dataset needs characters"),
+             ("latin1", "Caf\u00e9 de Verona\n".encode("latin-1") * 20, "is not UTF-8 text .byte 3.: convert it"),
+             ("utf16", "ROMEO: hi\n".encode("utf-16") * 20, "is not UTF-8 text .byte 0.: convert it"),
+             ("one_char", b"a", "the text has 1 character.s.: too few for both a train split")]
+
+
+@pytest.mark.parametrize("name, data, says", BAD_TEXTS, ids=[t[0] for t in BAD_TEXTS])
+@pytest.mark.parametrize("script", ["char", "bpe"])
+def test_a_text_that_makes_no_dataset_is_a_one_line_error(tmp_path, name, data, says, script):
+    """prepare.py on an empty text wrote a 0-vocab dataset (rc 0), and on a text that is not UTF-8 gave a
+    traceback: both, and a text too short to give each split a token, are one-line errors, before anything
+    is written (both scripts read their text with load_text); the shipped copy too, when it is such a file."""
+    src = tmp_path / "input.txt"
+    src.write_bytes(data)
+    run = (lambda **kw: sc.prepare(**kw)) if script == "char" else (lambda **kw: bpe.prepare(encode=utf8_bytes, **kw))
+    with pytest.raises(RuntimeError, match=says):
+        run(out_dir=tmp_path / "out", input_path=str(src))
+    os.replace(src, sc.LOCAL_COPY)  # no --input: the copy beside the script
+    with pytest.raises(RuntimeError, match=says):
+        run(out_dir=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_prepare_py_says_so_in_one_line(tmp_path):
+    """The command line: rc 1 and one `error:` line naming the file, not a traceback."""
+    import subprocess
+    for name, data, says in BAD_TEXTS[:2]:
+        src = tmp_path / f"{name}.txt"
+        src.write_bytes(data)
+        done = subprocess.run([sys.executable, str(REPO / "data/shakespeare_char/prepare.py"), "--input", str(src),
+                               "--out_dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1 and done.stdout == ""
+        assert done.stderr.startswith(f"error: {src} ") and len(done.stderr.splitlines()) == 1, done.stderr
+    assert not (tmp_path / "out").exists()
+
+
 # -----------------------------------------------------------------------------
 # shakespeare (BPE)
 

@@ -6,6 +6,7 @@ import csv
 import json
 import os
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -562,7 +563,10 @@ def test_sweep_reevaluates_finished_runs_without_a_final_eval(data_dir, tmp_path
     capsys.readouterr()
     rows = {r["run"]: r for r in flops.run_sweep(argv)}
     out = capsys.readouterr().out
-    assert "[1/4] prenorm_L1: finished without a final eval: re-evaluated from its checkpoint" in out
+    assert "prenorm_L1: finished without a final eval: re-evaluated from its checkpoint\n" in out.splitlines(True)
+    # the progress count: the 3 skipped runs, then the re-evaluated one as it finishes
+    assert re.findall(r"^\[(\d)/4\] (\w+)", out, re.M) == [
+        ("1", "prenorm_L2"), ("2", "prenorm_L3"), ("3", "prenorm_L4"), ("4", "prenorm_L1")]
     assert "4 runs (4 cells, one run each), 1 at a time: 3 finished (skipped), 1 to resume from a checkpoint, " \
            "0 to start" in out
     first, again = fake_train(root / "prenorm_L1")
@@ -577,12 +581,70 @@ def test_sweep_reevaluates_finished_runs_without_a_final_eval(data_dir, tmp_path
     assert (read["prenorm_L3"]["eval_tokens"], read["prenorm_L3"]["val_se"]) == ("", "")
     assert (read["prenorm_L2"]["eval_tokens"], read["prenorm_L2"]["val_se"]) == ("1000", "0.001")
     assert (read["prenorm_L1"]["status"], read["prenorm_L1"]["eval_tokens"]) == ("done", "1000")
-    # final_eval_tokens=0: a run without final_eval.json is finished as it is
-    os.remove(root / "prenorm_L2" / "final_eval.json")
+    # final_eval_tokens=0 (a sweep of its own: it is a setting of every run): a run without final_eval.json
+    # is finished as it is
+    argv = [*argv[:2], "--sweep_name=s0", *argv[3:], "--train_args=['--final_eval_tokens=0']"]
+    flops.run_sweep(argv)
+    os.remove(tmp_path / "s0" / "prenorm_L2" / "final_eval.json")
     capsys.readouterr()
-    flops.run_sweep(argv[:-1] + ["--budget=1.5e9", "--train_args=['--final_eval_tokens=0']"])
+    flops.run_sweep(argv)
     assert capsys.readouterr().out.count("already finished, skipped") == 4
-    assert len(fake_train(root / "prenorm_L2")) == 1
+    assert len(fake_train(tmp_path / "s0" / "prenorm_L2")) == 1
+
+
+def test_a_sweep_never_mixes_runs_of_other_settings(data_dir, tmp_path, capsys, monkeypatch, fake_train):
+    """A sweep run again after its budget, train_args, train config or a cell's keys changed skipped every
+    finished run as "already finished" and titled their table with the new settings. Each run records the
+    configuration it was started with (sweep_run.json; a run from before that: train.py's config.json); a
+    rerun that would keep or resume a run started otherwise is a one-line error naming the runs, the
+    settings and the fix, before anything runs or is written. The same settings resume; another sweep_name
+    takes the new ones."""
+    monkeypatch.setattr(flops, "plot_results", lambda *args: None)
+    base = tiny_train_config(data_dir, tmp_path)
+    wide = {"residual": "prenorm", "n_layer": 1, "n_embd": 64}
+    argv = [f"--train_config={base}", f"--out_root={tmp_path}", "--sweep_name=s", "--residuals=['prenorm']",
+            "--depths=[1, 2]", "--budget=1.5e9", f"--runs=[('wide', {wide!r})]"]
+    flops.run_sweep(argv)
+    root = tmp_path / "s"
+    os.remove(root / "wide" / "done")  # killed mid-run: its checkpoint would be resumed
+    before = (root / "results.csv").read_text()
+    other = tmp_path / "other.py"
+    other.write_text(base.read_text().replace("batch_size = 4", "batch_size = 8"))
+    every = "prenorm_L1, prenorm_L2, wide"
+    for change, names, said in (
+            (["--budget=3e9"], every, "max_flops was 1500000000.0, now 3000000000.0"),
+            (["--train_args=['--learning_rate=1e-3']"], every, "learning_rate was 0.0006, now 0.001"),
+            ([f"--train_config={other}"], every, "batch_size was 4, now 8"),
+            ([f"--runs=[('wide', {dict(wide, n_embd=96)!r})]"], "wide", "n_embd was 64, now 96")):
+        with pytest.raises(ConfigError) as e:
+            flops.run_sweep(argv + change)
+        msg = str(e.value)
+        assert "\n" not in msg and f"({names}: {said}); a sweep never mixes them" in msg, msg
+        assert "another --sweep_name or --out_root" in msg
+    assert all(len(fake_train(root / r)) == 1 for r in ("prenorm_L1", "prenorm_L2", "wide"))  # nothing ran
+    assert (root / "results.csv").read_text() == before
+    # a run from before sweep_run.json: the command in train.py's config.json is its record (its config is
+    # train.py's after planning, max_iters and the LR schedule resolved: not what the sweep gave)
+    os.remove(root / "prenorm_L2" / flops.RUN_RECORD)
+    (root / "prenorm_L2" / "config.json").write_text(json.dumps({
+        "command": shlex.join(["python", "train.py", *fake_train(root / "prenorm_L2")[0]]),
+        "config": {"max_iters": 24, "lr_decay_iters": 24, "device": "cpu"}}))
+    with pytest.raises(ConfigError, match=r"\(prenorm_L2: max_flops was 1500000000.0, now 3000000000.0\)"):
+        flops.run_sweep(argv + ["--budget=3e9", "--cells=['prenorm_L2']"])
+    # the same settings: the finished runs skipped, the killed one resumed
+    capsys.readouterr()
+    rows = flops.run_sweep(argv)
+    out = capsys.readouterr().out
+    assert out.count("already finished, skipped") == 2 and "have no sweep_run.json" not in out
+    assert fake_train(root / "wide")[1][-1] == "--init_from=resume" and all(r["status"] == "done" for r in rows)
+    # with no record at all the run is kept, and the sweep says its settings went unchecked
+    os.remove(root / "prenorm_L2" / "config.json")
+    capsys.readouterr()
+    flops.run_sweep(argv)
+    assert "note: 1 kept run(s) (prenorm_L2) have no sweep_run.json nor config.json" in capsys.readouterr().out
+    # the new budget in a folder of its own: every run starts
+    rows = flops.run_sweep([*argv, "--sweep_name=s3", "--budget=3e9"])
+    assert [len(fake_train(tmp_path / "s3" / r["run"])) for r in rows] == [1, 1, 1]
 
 
 def test_results_take_the_final_eval_of_the_last_iteration(data_dir, tmp_path, monkeypatch, fake_train):
@@ -697,6 +759,70 @@ def test_sweep_needs_a_sweep_config(monkeypatch):
         assert "\n" not in str(e.value)
         assert all(f"config/{p.name}" in str(e.value) for p in (REPO / "config").glob("sweep_*.py"))
     assert started == []
+
+
+def test_plan_needs_a_sweep_config_and_lists_its_own_keys(monkeypatch, capsys):
+    """`flops.py plan` with no config planned the unnamed default sweep: now the one-line error `sweep` gives;
+    `plan --help` listed the sweep's keys but not its own --gpu and --mfu."""
+    monkeypatch.setattr(flops, "plan", lambda argv: pytest.fail("planned without a sweep config"))
+    for argv in (["plan"], ["plan", "--gpu=H100"]):
+        with pytest.raises(ConfigError, match="^flops.py plan needs a sweep config: python flops.py plan config/") as e:
+            flops.main(argv)
+        assert "\n" not in str(e.value) and "config/sweep_shakespeare_cpu.py" in str(e.value)
+    monkeypatch.undo()
+    with pytest.raises(SystemExit):
+        flops.main(["plan", "--help"])
+    keys = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    assert keys[:2] == ["gpu", "mfu"] and {"budget", "budgets", "seeds", "train_config"} <= set(keys)
+
+
+def test_plan_of_a_sweep_on_the_cpu_gives_no_gpu_hours(data_dir, tmp_path, monkeypatch):
+    """`flops.py plan` printed an H100's hours ("0.0 hours") for a sweep that runs on the CPU. Without --gpu the
+    hours are those of the GPU the runs' device picks on this machine; on a CPU there are none, and it says why
+    and how to get a GPU's; --gpu names one explicitly."""
+    cfg = tmp_path / "sweep.py"
+    cfg.write_text(f"train_config = {str(tiny_train_config(data_dir, tmp_path))!r}\nresiduals = ['prenorm']\n"
+                   "depths = [1]\nbudget = 1e12\n")  # the tiny config's device: 'cpu'
+    text = flops.main(["plan", str(cfg)])
+    assert "hours" not in text.split("no hours")[0] and "TFLOP/s" not in text
+    assert "no hours: its runs' device (cpu) is the CPU on this machine" in text and "--gpu=H100" in text
+    assert "on one A100 (312 TFLOP/s peak bf16) at 35% MFU" in flops.main(["plan", str(cfg), "--gpu=A100"])
+    # device auto: the CPU on a machine without a GPU, the GPU on one with it
+    cfg.write_text(cfg.read_text() + "train_args = ['--device=auto']\n")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "no hours: its runs' device (auto) is the CPU on this machine" in flops.main(["plan", str(cfg)])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    text = flops.main(["plan", str(cfg)])
+    assert "on one NVIDIA H100 80GB HBM3 (989 TFLOP/s peak bf16) at 35% MFU" in text and "no hours" not in text
+
+
+def test_results_refuses_a_csv_without_runs_or_with_a_column_missing(tmp_path):
+    """`flops.py results` on a header-only CSV printed tables of nothing (rc 0), and on a CSV without its
+    residual column gave a traceback. Every column a results.csv has had since the first sweep is needed
+    (a missing one is named); the columns added later (LATER_FIELDS) may be missing, as in the older CSVs
+    in docs/."""
+    src = REPO / "docs" / "sweep_mod_cpu.csv"
+    with open(src, newline="") as f:
+        header, *rows = list(csv.reader(f))
+    empty = tmp_path / "empty.csv"
+    empty.write_text(",".join(flops.FIELDS) + "\n")
+    for verb in ("results", "multiplier", "optimizers"):
+        with pytest.raises(ConfigError, match=f"^{re.escape(str(empty))} holds no runs .its header alone.") as e:
+            flops.main([verb, str(empty)])
+        assert "\n" not in str(e.value)
+    needed = [k for k in flops.FIELDS if k not in flops.LATER_FIELDS]
+    assert set(needed) <= set(header) and not set(flops.LATER_FIELDS) & set(header)
+    for column in needed:
+        path = tmp_path / f"no_{column}.csv"
+        i = header.index(column)
+        with open(path, "w", newline="") as f:
+            csv.writer(f).writerows([r[:i] + r[i + 1:] for r in [header, *rows]])
+        said = ("its header has no run, cell, seed and val_loss" if column in ("run", "cell", "seed", "val_loss")
+                else f"it has no {column} column, which")
+        with pytest.raises(ConfigError, match=f"is not a sweep's results.csv .{said} .*: pass out/<sweep>/") as e:
+            flops.main(["results", str(path)])
+        assert "\n" not in str(e.value)
 
 
 # a stand-in for train.py that waits to be stopped: writes its pid, then on SIGINT / SIGTERM takes half a

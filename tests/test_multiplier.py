@@ -483,3 +483,225 @@ def test_draws_without_a_baseline_curve_are_counted(tmp_path):
         except mult.Degenerate:
             lost += 1
     assert shown and int(shown.group(1)) == lost and 10 <= lost <= 100
+
+
+def steps_csv(path, rounds):
+    """bench.py --section=steps's CSV: rounds {cell: [(its ms, its baseline's ms), one per round]}."""
+    path.write_text("cell,baseline,n_layer,device,round,ms,baseline_ms\n" + "".join(
+        f"{cell},base,4,test CPU,{i},{ms},{base_ms}\n" for cell, times in rounds.items()
+        for i, (ms, base_ms) in enumerate(times)))
+    return path
+
+
+def throughput_row(text, cell):
+    """(FLOP multiplier's interval, median ratio's interval, throughput-adjusted interval) of a cell's row."""
+    (line,) = [x for x in text.split("Throughput-adjusted")[1].splitlines() if x.startswith(f"| {cell} |")]
+    parts = [p.strip() for p in line.strip("|").split("|")]
+    ratio = re.fullmatch(r"\S+ \((\S+) - (\S+)\)", parts[2]).groups()
+    return interval_of(parts[1].split("(")[1].rstrip(")")), tuple(map(float, ratio)), interval_of(parts[4])
+
+
+def test_the_throughput_adjusted_interval_resamples_the_rounds_and_the_draws(tmp_path):
+    """The throughput-adjusted interval is the percentiles of (a FLOP multiplier draw) / (the median of a resample
+    of the rounds' step-time ratios). Noiseless losses and noisy rounds: the FLOP interval is the point 2 and the
+    adjusted interval has width, 2 over the median ratio's interval turned round (a draw that skips the rounds'
+    resample collapses it). Noisy losses and rounds all 1.25: the adjusted interval is the FLOP interval / 1.25
+    (a draw that multiplies, or that skips the FLOP draws, does not give it)."""
+    cells = {"prenorm": base_loss, "nag": {"loss": two_x, "budgets": [2e12, 4e12]}}
+    rng = random.Random(5)
+    noisy = steps_csv(tmp_path / "noisy.csv", {"nag": [(125 * (1 + rng.gauss(0, 0.05)), 100) for _ in range(9)]})
+    text = flops.multiplier([str(write_csv(tmp_path / "r.csv", BUDGETS, cells, noise=0.0)), "--boot=200",
+                             f"--step_times={noisy}", f"--out={tmp_path / 'm.png'}"])
+    flop, ratio, adj = throughput_row(text, "nag")
+    assert flop[0] == pytest.approx(2.0, rel=1e-3) and flop[1] == pytest.approx(flop[0], rel=1e-9)
+    assert ratio[1] / ratio[0] > 1.02 and adj[1] / adj[0] > 1.02
+    assert adj == pytest.approx((flop[0] / ratio[1], flop[0] / ratio[0]), rel=0.01)
+    steady = steps_csv(tmp_path / "steady.csv", {"nag": [(125, 100)] * 9})
+    text = flops.multiplier([str(write_csv(tmp_path / "n.csv", BUDGETS, cells, noise=0.02)), "--boot=200",
+                             f"--step_times={steady}", f"--out={tmp_path / 'm.png'}"])
+    flop, ratio, adj = throughput_row(text, "nag")
+    assert ratio == (1.25, 1.25) and flop[1] / flop[0] > 1.02
+    assert adj == pytest.approx((flop[0] / 1.25, flop[1] / 1.25), rel=0.01)
+
+
+DEPTH_GRID = [1e12 * 2 ** k for k in range(6)]
+
+
+def close_at_4e12(c):
+    """The design at 8 layers: its 4 layers' loss at 4e12, 0.04 lower per doubling of compute above it."""
+    return base_loss(1.2 * c) - 0.04 * math.log2(c / 4e12)
+
+
+def one_side_grid(side, noise=0.03):
+    """The baseline at 4 and 8 layers over DEPTH_GRID; the design at both depths over its middle four budgets
+    (4 in range: a trend), its two depths equally good at 4e12; Gaussian noise on `side`'s runs alone."""
+    nb, nd = (noise if side == "baseline" else 0.0), (noise if side == "design" else 0.0)
+    return {"prenorm_L4": {"loss": base_loss, "n_layer": 4, "residual": "prenorm", "noise": nb},
+            "prenorm_L8": {"loss": b8, "n_layer": 8, "residual": "prenorm", "noise": nb},
+            "nag_L4": {"loss": lambda c: base_loss(1.2 * c), "n_layer": 4, "residual": "nag",
+                       "budgets": DEPTH_GRID[1:5], "noise": nd},
+            "nag_L8": {"loss": close_at_4e12, "n_layer": 8, "residual": "nag", "budgets": DEPTH_GRID[1:5],
+                       "noise": nd}}
+
+
+def printed_intervals(text):
+    """{kind: [(lo, hi)]} of every interval the multiplier report prints: per budget, overall and per 2x compute
+    (the multiplier table), per depth and per 2x depth (the depth table), frontier (its table) and
+    throughput-adjusted (its table)."""
+    main, rest = text.split("By depth:")
+    depth, rest = rest.split("The compute-optimal frontier")
+    front, steps = rest.split("Throughput-adjusted")
+    out = {}
+    for line in main.split("The fits")[0].splitlines():
+        parts = [p.strip() for p in line.strip("|").split("|")]
+        if len(parts) == 7 and parts[0].startswith("nag_"):
+            kind = {"overall": "overall", "per": "per 2x compute"}.get(parts[2].split(" ")[0], "per budget")
+            out.setdefault(kind, []).append(interval_of(parts[4]))
+    for line in depth.splitlines():
+        parts = [p.strip() for p in line.strip("|").split("|")]
+        if parts[0] == "nag":
+            out["per depth"] = [interval_of(p.split("(")[1].rstrip(")")) for p in parts[1:-3]]
+            out["per 2x depth"] = [interval_of(parts[-2])]
+    out["frontier"] = [interval_of(line.strip("|").split("|")[6].strip()) for line in front.splitlines()
+                       if line.startswith("| nag |")]
+    out["throughput-adjusted"] = [interval_of(line.strip("|").split("|")[4].strip()) for line in steps.splitlines()
+                                  if line.startswith("| nag_")]
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_side_reports(tmp_path_factory):
+    """{side: the report} of one_side_grid with noise on the baseline's runs, on the design's, and on none; the
+    step times the same in every round (1.25x the baseline's), so that their interval is a point."""
+    tmp = tmp_path_factory.mktemp("one_side")
+    steps = steps_csv(tmp / "steps.csv", {c: [(125, 100)] * 5 for c in ("nag_L4", "nag_L8")})
+    return {side: flops.multiplier([str(write_csv(tmp / f"{side}.csv", DEPTH_GRID, one_side_grid(side))),
+                                    "--boot=60", f"--step_times={steps}", f"--out={tmp / 'm.png'}"])
+            for side in ("baseline", "design", "none")}
+
+
+KINDS = ("per budget", "overall", "per 2x compute", "per depth", "per 2x depth", "frontier", "throughput-adjusted")
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda kind: kind.replace(" ", "_"))
+@pytest.mark.parametrize("side", ["baseline", "design"])
+def test_every_printed_interval_has_width_when_one_side_is_noisy(one_side_reports, side, kind):
+    """Every interval the report prints, with noise on the baseline's runs alone and on the design's alone: each
+    has width (a bootstrap that skips either side's runs, in any of them, collapses it to its point); with no
+    noise at all each is its point (the width comes from the runs' noise, nothing else)."""
+    noisy, still = printed_intervals(one_side_reports[side]), printed_intervals(one_side_reports["none"])
+    assert set(noisy) == set(still) == set(KINDS)
+    assert len(noisy[kind]) == len(still[kind]) >= (8 if kind == "per budget" else 4 if kind == "frontier" else 1)
+    assert min(hi / lo for lo, hi in noisy[kind]) > 1.01, noisy[kind]
+    assert all(lo == hi for lo, hi in still[kind]), still[kind]
+
+
+def test_the_frontier_shares_split_where_two_depths_are_close(one_side_reports):
+    """The design's 4 and 8 layers equally good at 4e12, noise on its runs alone: the draws disagree on its best
+    depth there (each depth's share strictly between 0 and 1, and whether it moves the baseline's undecided); at
+    1.6e13, where 8 layers are 0.08 ahead, they agree more. Without noise every share is 1."""
+    def front(text):
+        rows = {}
+        for line in text.split("compute-optimal frontier")[1].splitlines():
+            parts = [p.strip() for p in line.strip("|").split("|")]
+            if len(parts) == 8 and parts[0] == "nag":
+                shares = re.search(r"\((\d+: \d+%(?:, \d+: \d+%)*)\)$", parts[3]).group(1)
+                rows[float(parts[2])] = ({int(d): int(v) for d, v in re.findall(r"(\d+): (\d+)%", shares)}, parts[7])
+        return rows
+    rows = front(one_side_reports["design"])
+    shares, moves = rows[4e12]
+    assert set(shares) == {4, 8} and all(0 < v < 100 for v in shares.values()) and sum(shares.values()) == 100
+    assert moves.startswith("undecided at 95%")
+    assert max(rows[1.6e13][0].values()) > max(shares.values())
+    assert all(list(s.values()) == [100] for s, _ in front(one_side_reports["none"]).values())
+
+
+def test_the_leave_one_budget_out_check_compares_with_the_half_width():
+    """A baseline with one budget (4e12) 0.01 off its curve: leaving it out moves the fitted overall by D, the
+    largest change over the budgets left out. Against a measured interval whose half-width is 0.75 D (its whole
+    width 1.5 D) the fit is named degenerate at that budget; against one whose half-width is D / 0.95, it is not
+    and the fitted number is given. A check against the whole width passes the first."""
+    base = {b: [(b, base_loss(b) + (0.01 if b == 4e12 else 0))] for b in BUDGETS}
+    cell = {b: [(b, base_loss(2 * b))] for b in BUDGETS[:3]}
+    _, inside, _ = mult.multipliers(base, cell)
+    _, span = mult.measured_curve(base)
+    params, s, bound = mult.joint_fit({"p": base, "c": cell})
+    m = mult.fitted_overall(params, s, "p", cell, span, inside)
+    changes = {}
+    for b in BUDGETS:
+        p2, s2, bound2 = mult.joint_fit({"p": {k: v for k, v in base.items() if k != b}, "c": cell})
+        assert not bound2
+        changes[b] = abs(mult.fitted_overall(p2, s2, "p", cell, span, inside) - m)
+    worst = max(changes, key=changes.get)
+    d = changes[worst]
+    assert worst == 4e12 and not bound and d > 0.005
+    law, fitted = mult.fit_check({"p": base, "c": cell}, "p", ["c"], {"c": inside}, {"c": (1.9, 1.9 + 1.5 * d)})
+    assert law.startswith("L = ") and fitted["c"][0] is None
+    assert fitted["c"][1].startswith("degenerate fit: without the baseline's budget 4e+12 it gives ")
+    assert fitted["c"][1].endswith(f"(more than the interval's half-width, {0.75 * d:.3g})")
+    _, fitted = mult.fit_check({"p": base, "c": cell}, "p", ["c"], {"c": inside}, {"c": (1.9, 1.9 + 2 * d / 0.95)})
+    assert fitted["c"] == (pytest.approx(m, rel=1e-9), "")
+
+
+def runs_at(loss, budgets=BUDGETS):
+    """One run at each budget on a loss curve: a cell's budget groups."""
+    return {b: [(b, loss(b))] for b in budgets}
+
+
+CLOSE = [1e12 * 1.15 ** k for k in range(5)]  # budgets close together: an exponent of 7 shows in them
+BOUNDED = {  # a sweep whose joint fit puts one parameter on one of its bounds, and the line that names it
+    "E_at_0": ({"p": runs_at(lambda c: 4 - 0.3 * math.log(c / 1e12))}, "E at its lower bound 0"),
+    "E_at_the_lowest_loss": ({"p": runs_at(base_loss), "c": runs_at(lambda c: 1.44 + 0.01 * math.log2(c / 2e12),
+                                                                    BUDGETS[1:3])},
+                             "E at its upper bound (the lowest mean loss, 1.4400)"),
+    "baseline_alpha_at_5": ({"p": runs_at(lambda c: 2 + 2 * (c / 1e12) ** -7, CLOSE)}, "alpha of p at its bound 5"),
+    "baseline_alpha_at_0.001": ({"p": runs_at(lambda c: 3 - 0.0002 * math.log2(c / 1e12)), "c": runs_at(base_loss)},
+                                  "alpha of p at its bound 0.001"),
+    "cell_alpha_at_5": ({"p": runs_at(base_loss), "c": runs_at(lambda c: 2 + 2 * (c / 1e12) ** -7, CLOSE[:4])},
+                            "alpha of c at its bound 5"),
+    "cell_alpha_at_0.001": ({"p": runs_at(base_loss), "c": runs_at(lambda c: 3 + 0.05 * math.log2(c / 1e12),
+                                                                       BUDGETS[:4])},
+                                "alpha of c at its bound 0.001"),
+}
+
+
+@pytest.mark.parametrize("case", BOUNDED)
+def test_a_fit_on_any_of_its_bounds_is_named_degenerate(case):
+    """Every bound the joint fit has (E's 0 and the lowest mean loss; each exponent's ALPHA_BOUNDS, the baseline's
+    and a cell's with its own) reached by a sweep made to reach it, that bound alone: the fit is named degenerate
+    with that bound, as the fits table prints it, and no cell gets a fitted number."""
+    groups, named = BOUNDED[case]
+    _, _, bound = mult.joint_fit(groups)
+    assert bound == [named]
+    cells = [c for c in groups if c != "p"]
+    law, fitted = mult.fit_check(groups, "p", cells, {c: list(groups[c]) for c in cells},
+                                 {c: (1.0, 2.0) for c in cells})
+    assert law == f"degenerate fit: {named}"
+    assert fitted == {c: (None, "degenerate fit") for c in cells}
+
+
+def bench_keys():
+    """bench.py's DEFAULTS, read from its source (as its --help reads their comments) without importing it."""
+    import ast
+    tree = ast.parse((REPO / "bench.py").read_text())
+    (call,) = [node.value for node in tree.body if isinstance(node, ast.Assign)
+               and [getattr(t, "id", None) for t in node.targets] == ["DEFAULTS"]]
+    sections = [node.value for node in tree.body if isinstance(node, ast.Assign)
+                and [getattr(t, "id", None) for t in node.targets] == ["SECTIONS"]]
+    return {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}, ast.literal_eval(sections[0])
+
+
+def test_the_step_times_hint_names_real_bench_keys(tmp_path):
+    """A --step_times file that is not bench.py's step times: the one-line error's command is one that bench.py's
+    configurator takes (every --key in its DEFAULTS, of its type; the section one of its SECTIONS), and it writes
+    the CSV where --step_times looked (--steps_out)."""
+    from configurator import configure
+    path = write_csv(tmp_path / "r.csv", BUDGETS, {"prenorm": base_loss, "nag": two_x})
+    with pytest.raises(ConfigError, match="not bench.py's step times") as err:
+        flops.multiplier([str(path), "--boot=20", f"--step_times={path}"])
+    command = str(err.value).split("python bench.py ", 1)[1]
+    args = command.split(" ")
+    assert len(args) >= 3 and all(a.startswith("--") for a in args), command
+    defaults, sections = bench_keys()
+    cfg = configure([a.replace("<sweep>", "sweep") for a in args], defaults)
+    assert cfg["section"] == "steps" and "steps" in sections and cfg["steps_out"] == str(path)

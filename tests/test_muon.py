@@ -1,9 +1,11 @@
 """--optimizer=muon: Muon (torch.optim.Muon, optim.py) for the hidden matrices, AdamW for the rest.
 
-A Muon step equals one computed here by hand; the split comes from the modes' declarations, checked for
-every registered residual and MoD mode; a skipped step leaves Muon's state as it was; resume is bit-exact;
-DDP matches one process; bad values are one-line errors before out_dir is touched.
+A Muon step equals one computed here by hand; the optimizer train.py builds carries every muon_* value of
+the configuration, and each of its group's values moves the step; the split comes from the modes'
+declarations, checked for every registered residual and MoD mode; a skipped step leaves Muon's state as it
+was; resume is bit-exact; DDP matches one process; bad values are one-line errors before out_dir is touched.
 (The no-host-sync and exact-skip checks of a training step with Muon are in tests/test_step_sync.py.)"""
+import inspect
 import math
 import os
 import sys
@@ -17,6 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from model import GPT, MODS, RESIDUALS, GPTConfig  # noqa: E402
 from optim import MuonAdamW, SkippingMuon  # noqa: E402
+from run_config import DEFAULTS, MUON_KEYS  # noqa: E402
+from test_optimizer_keys import build_trainer  # noqa: E402
 from test_train import (assert_one_line_error, load_ckpt, read_log, run, run_train_here, tiny_args,  # noqa: E402
                         train_ok)
 
@@ -83,6 +87,63 @@ def test_a_muon_step_equals_one_by_hand(adjust):
         want, size = muon_by_hand(start[k], grads[k], settings["lr"], settings["momentum"], 10.0, adjust)
         err = (p.detach().double() - want).abs().max().item()
         assert err <= 0.05 * size, f"{k}: Muon's step is {err:.3g} off the hand one (its size {size:.3g})"
+
+
+# every muon_* key, away from its default here and from torch.optim.Muon's, and the group key it becomes
+MUON_VALUES = dict(muon_lr=0.03, muon_momentum=0.85, muon_weight_decay=0.04, muon_adjust_lr="match_rms_adamw")
+GROUP_KEY = dict(muon_lr="lr", muon_momentum="momentum", muon_weight_decay="weight_decay",
+                 muon_adjust_lr="adjust_lr_fn")
+
+
+def test_train_pys_optimizer_carries_every_muon_value(data_dir, tmp_path):
+    """The optimizer train.py builds (Trainer.build_model: configure_optimizers(..., muon_settings(cfg))) holds
+    every muon_* value of the configuration in Muon's group. Each is set away from its default and from
+    torch.optim.Muon's, so a value dropped on the way (torch's weight decay 0.1 for the configured one, its
+    momentum, its adjust_lr_fn None) fails; the step by hand (above) and the next test show the group's values
+    are the ones a step uses."""
+    assert set(MUON_VALUES) == set(MUON_KEYS) == {k for k in DEFAULTS if k.startswith("muon_")}
+    torch_default = {k: p.default for k, p in inspect.signature(torch.optim.Muon.__init__).parameters.items()}
+    for key, value in MUON_VALUES.items():
+        assert value != DEFAULTS[key] and value != torch_default[GROUP_KEY[key]], key
+    trainer = build_trainer(data_dir, tmp_path / "out", optimizer="muon", **MUON_VALUES)
+    (group,) = trainer.optimizer.muon.param_groups
+    assert {k: group[GROUP_KEY[k]] for k in MUON_VALUES} == MUON_VALUES
+    assert group["lr_scale"] == pytest.approx(MUON_VALUES["muon_lr"] / trainer.cfg["learning_rate"])
+    assert {id(p) for p in group["params"]} >= {id(m.weight) for m in trainer.raw_model.sublayers.modules()
+                                               if isinstance(m, nn.Linear)}
+
+
+@pytest.mark.parametrize("key, wrong", [("lr", 0.06), ("momentum", 0.0), ("weight_decay", 10.0),
+                                        ("adjust_lr_fn", "original")])
+def test_each_muon_group_value_moves_the_step(key, wrong, data_dir, tmp_path):
+    """Two Muon steps of train.py's optimizer (MUON_VALUES), from the same start and gradients, with one value
+    of its group changed: the parameters move by over 10% of the steps' size (by 42% to 114% here), so the
+    step reads the group's values, not a copy made when the optimizer was built."""
+    trainer = build_trainer(data_dir, tmp_path / "out", optimizer="muon", **MUON_VALUES)
+    muon = trainer.optimizer.muon
+    (group,) = muon.param_groups
+    params = group["params"]
+    start = [p.detach().clone() for p in params]
+    gen = torch.Generator().manual_seed(0)
+    grads = [[torch.randn(p.shape, generator=gen) for p in params] for _ in range(2)]
+
+    def two_steps():
+        muon.state.clear()
+        with torch.no_grad():
+            for p, p0 in zip(params, start):
+                p.copy_(p0)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            muon.step()
+        return [p.detach().clone() for p in params]
+
+    configured = two_steps()
+    group[key] = wrong
+    changed = two_steps()
+    size = max((a - b).abs().max().item() for a, b in zip(configured, start))
+    moved = max((a - b).abs().max().item() for a, b in zip(changed, configured))
+    assert size > 0 and moved > 0.1 * size, (key, moved, size)
 
 
 def test_a_skipped_muon_step_keeps_parameters_and_momentum():

@@ -57,6 +57,19 @@ def test_a_flop_budget_sets_the_iterations_and_caps_the_warm_up(capsys):
     assert kept.cfg["lr_decay_iters"] == 80  # set apart from max_iters: the budget leaves it
 
 
+def test_a_flop_budget_that_ends_before_a_kept_decay_says_so(capsys):
+    """lr_decay_iters set apart from max_iters stays as it is under a FLOP budget: past the 250 iterations the
+    budget buys, the LR never reaches min_lr, and one warning says so with the fix; a decay inside the run, one
+    that follows max_iters and a constant LR say nothing."""
+    p = plan.RunPlan(config(max_flops=3.2e6, lr_decay_iters=400), 128, 100.0)
+    err = capsys.readouterr().err
+    assert err.strip() == (f"warning: lr_decay_iters 400 > the budget's 250 iters: the run ends before the cosine "
+                           f"does, at LR {p.lr(250):.2e}, not min_lr; to decay over the run, --lr_decay_iters=250")
+    for kw in (dict(lr_decay_iters=200), dict(lr_decay_iters=None), dict(lr_decay_iters=400, decay_lr=False)):
+        plan.RunPlan(config(max_flops=3.2e6, **kw), 128, 100.0)
+        assert capsys.readouterr().err == "", kw
+
+
 def test_iterations_for_budget_rounds_to_the_nearest_and_refuses_a_bad_budget():
     assert plan.iterations_for_budget(1000.4 * 128, 1.0, 128) == 1000
     assert plan.iterations_for_budget(1000.6 * 128, 1.0, 128) == 1001
@@ -79,6 +92,28 @@ def test_a_time_budget_re_plans_from_the_pace_and_ends_at_the_deadline():
     assert p.cfg["max_iters"] == 130
     p.at_step(5, spent=1.0, timed=4, timed_seconds=0.0)  # a frozen clock: one step at a time
     assert p.cfg["max_iters"] == 6
+
+
+def test_a_time_budget_rounds_the_iterations_left_up():
+    """48 s left at 0.52 s a step are 92.3 steps: 93 more, so the run reaches its deadline (rounded, or cut
+    down, 92 would end it and its LR decay short of it)."""
+    p = plan.RunPlan(config(max_seconds=60, warmup_iters=50), 128, 1.0, verbose=False)
+    p.at_step(21, spent=12.0, timed=20, timed_seconds=10.4)
+    assert (p.cfg["max_iters"], p.cfg["lr_decay_iters"]) == (21 + 93, 21 + 93)
+
+
+def test_a_time_budgets_warm_up_cap_follows_each_estimate_up_as_well_as_down():
+    """The cap is 10% of each new estimate of the run, on the warm-up asked (50): a slow first pace (1 s a
+    step: 100 iterations, warm-up 10), then faster ones (0.25 s: 394, warm-up 40; 0.125 s: 778) give the
+    warm-up back up to the 50 asked, and a slow pace again shrinks it (1 s: 110, 11); a cap taken from the
+    last capped value could only shrink."""
+    p = plan.RunPlan(config(max_seconds=100, warmup_iters=50), 128, 1.0, verbose=False)
+    caps = []
+    for iter_num, spent, timed, timed_seconds in ((2, 2.0, 1, 1.0), (10, 4.0, 8, 2.0), (10, 4.0, 8, 1.0),
+                                                  (20, 10.0, 18, 18.0)):
+        p.at_step(iter_num, spent, timed, timed_seconds)
+        caps.append((p.cfg["max_iters"], p.cfg["warmup_iters"]))
+    assert caps == [(100, 10), (394, 40), (778, 50), (110, 11)]
 
 
 def test_two_budgets_and_a_time_budget_under_ddp_are_one_line_errors():
@@ -114,3 +149,26 @@ def test_the_plan_in_words():
     assert p.describe(20).endswith(f"the run ends at iter 50, its LR {p.lr(50):.2e} there (the cosine ends later, "
                                    "at lr_decay_iters)")
     assert math.isclose(p.lr(50), 1e-4 + 0.5 * (1 + math.cos(math.pi * 40 / 90)) * 9e-4)
+
+
+def test_a_cosine_that_outlasts_the_run_is_warned_about(capsys):
+    """The quickstart config with --max_iters=300 keeps its lr_decay_iters 2000: the run ends with the LR near
+    its peak, not at min_lr. One warning says so and names the fix; a decay that ends with the run, one left to
+    follow max_iters, a constant LR, a budget (the plan sets lr_decay_iters itself) and a resume (its plan is
+    described then) say nothing."""
+    import run_config
+    from configurator import configure
+
+    def warned(*args):
+        cfg = configure([str(REPO / "config" / "shakespeare_char_cpu.py"), *args], run_config.DEFAULTS)
+        run_config.check_training_values(cfg, master=True)
+        return capsys.readouterr().err
+    p = plan.RunPlan(config(max_iters=300, warmup_iters=100, lr_decay_iters=2000, min_lr=1e-4), 128, 1.0,
+                     verbose=False)
+    assert warned("--max_iters=300").strip() == (
+        f"warning: lr_decay_iters 2000 > max_iters 300: the run ends before the cosine does, at LR {p.lr(300):.2e}, "
+        f"not min_lr; to decay over the run, --lr_decay_iters=300")
+    for args in (["--max_iters=300", "--lr_decay_iters=300"], ["--max_iters=300", "--lr_decay_iters=None"],
+                 ["--max_iters=300", "--decay_lr=False"], ["--max_iters=300", "--max_flops=1e12"],
+                 ["--max_iters=300", "--max_seconds=60"], ["--max_iters=300", "--init_from=resume"], []):
+        assert warned(*args) == "", args

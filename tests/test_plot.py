@@ -347,6 +347,48 @@ def test_command_line_errors(runs, tmp_path):
     assert not list(tmp_path.glob("*.png"))
 
 
+def test_a_log_that_is_not_a_train_py_log_is_a_one_line_error(runs, tmp_path):
+    """`plot.py loss` on a log.jsonl that is not UTF-8 gave a traceback: a log of which not one line is a JSON
+    record (a UTF-16 copy, a binary file) is a one-line error naming it, for every command that reads logs; one
+    bad line among good ones (a line cut mid-character) is skipped with a warning, as a line cut mid-write is."""
+    log = (Path(runs["nag"]) / "log.jsonl").read_text()
+    for name, data in (("utf16", log.encode("utf-16")), ("binary", bytes(range(256)) * 4),
+                       ("records", b'[1, 2]\n"text"\n{"val_loss": 2.0}\n')):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "log.jsonl").write_bytes(data)
+        for cmd in ("loss", "depth", "table"):
+            with pytest.raises(ConfigError, match=f"^{d / 'log.jsonl'} is not a train.py log .*: pass the") as e:
+                plot.main([cmd, str(d), f"--out={tmp_path / 'x.png'}"])
+            assert "\n" not in str(e.value)
+    torn = tmp_path / "torn"
+    torn.mkdir()
+    (torn / "log.jsonl").write_bytes(log.encode() + '{"iter": 30, "val_loss": "\u00e9'.encode()[:-1] + b"\n")
+    assert [r["iter"] for r in run_config.load_log(torn)] == [0, 10, 20]
+    assert not list(tmp_path.glob("*.png"))
+
+
+@pytest.mark.parametrize("cmd", ["loss", "depth", "weights"])
+def test_a_figure_format_matplotlib_cannot_write_is_a_one_line_error(runs, tmp_path, cmd):
+    """`plot.py loss ... --out=x.xyz` drew the figure, then savefig's traceback: the format is checked before
+    anything is drawn, and the error lists the formats matplotlib writes."""
+    formats = plt_formats()
+    assert {"png", "pdf", "svg"} <= set(formats)
+    for out in ("x.xyz", "x"):
+        with pytest.raises(ConfigError) as e:
+            plot.main([cmd, runs["attnres"], f"--out={tmp_path / out}"])
+        assert str(e.value) == (f"--out={tmp_path / out}: end the name with a format matplotlib writes "
+                                f"({', '.join(sorted(formats))}), e.g. --out={cmd}.png")
+    assert not [p for p in tmp_path.iterdir() if p.is_file()]
+    fig = plot.main([cmd, runs["attnres"], f"--out={tmp_path / 'x.SVG'}"])  # any case
+    assert (tmp_path / "x.SVG").read_bytes().lstrip().startswith(b"<?xml") and fig
+
+
+def plt_formats():
+    import matplotlib.figure
+    return matplotlib.figure.Figure().canvas.get_supported_filetypes()
+
+
 # -----------------------------------------------------------------------------
 # routing: a tiny MoD checkpoint (tests/tiny_checkpoint.py) run through plot.py routing
 

@@ -17,13 +17,14 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+import guards
 import model as model_module
 import run_config
 import train
 from configurator import ConfigError
 from model import GPT, GPTConfig
 from test_train import (REPO, TOL, assert_one_line_error, in_process, load_ckpt, read_log, run,  # noqa: F401
-                        tiny_args, tiny_dataset, wandb_history)
+                        tiny_args, tiny_dataset, train_once, wandb_history)
 
 
 def assert_same_run(a_dir, b_dir, log_from=0):
@@ -104,6 +105,48 @@ def test_ctrl_c_from_the_command_line(data_dir, tmp_path):
     assert f"--out_dir={out}" in last and last.endswith("--init_from=resume --out_dir=" + str(out))
     # a loadable checkpoint past the last step printed (the printed command is run in the tests above and below)
     assert run_config.load_checkpoint(str(out / "ckpt.pt"), torch.device("cpu"))["iter_num"] >= 3
+    assert not (out / guards.LOCK_FILE).exists()  # out_dir released: the resume may take it
+
+
+def test_a_second_signal_during_a_real_save(data_dir, tmp_path):
+    """A real process, 8 layers 512 wide (a checkpoint of 300 MB with AdamW's moments: its save takes a
+    while), gets SIGTERM, and a second one while the stop's checkpoint is being written (its temp file
+    growing: torch.save is inside its zip writer, which the handler's Interrupted leaves broken, so that
+    torch.save raises a RuntimeError of its own on the way out). It exits 143 with one line, no traceback;
+    ckpt.pt is the eval's at iteration 2, untouched, and no temp file is left."""
+    out = tmp_path / "out"
+    ckpt, tmp = out / "ckpt.pt", out / "ckpt.pt.tmp"
+    args = tiny_args(data_dir, out, n_layer=8, n_embd=512, n_head=8, batch_size=1, gradient_accumulation_steps=1,
+                     max_iters=1000, lr_decay_iters=1000, eval_interval=2, eval_iters=1, final_eval_tokens=0)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    try:
+        for line in p.stdout:
+            if line.startswith("saved checkpoint"):  # the eval at iteration 2 saved ckpt.pt
+                break
+        kept = os.stat(ckpt)
+        p.send_signal(signal.SIGTERM)  # the first: a checkpoint at the next step boundary
+        deadline = time.time() + 120
+        while not (tmp.exists() and tmp.stat().st_size > 2 ** 20):  # past data.pkl: writing the tensors
+            assert time.time() < deadline and p.poll() is None, "the stop's save never started"
+            time.sleep(0.001)
+        p.send_signal(signal.SIGTERM)
+        stdout, stderr = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "Traceback" not in stderr
+    lines = stderr.strip().splitlines()
+    assert lines[-1].startswith(f"stopped at once by a second signal: no checkpoint written for this stop; {ckpt} "
+                                f"is as it was (iter 2). Resume with: python train.py"), lines
+    assert [x for x in lines if not x.startswith("got SIGTERM")] == [lines[-1]]
+    assert not tmp.exists()
+    now = os.stat(ckpt)
+    assert (now.st_ino, now.st_size, now.st_mtime_ns) == (kept.st_ino, kept.st_size, kept.st_mtime_ns)
+    assert torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)["iter_num"] == 2
 
 
 def test_ddp_sigterm_all_ranks_stop_rank_0_saves_and_resume_works(data_dir, tmp_path):
@@ -368,11 +411,7 @@ def test_bad_steps_are_read_at_the_next_log_or_eval(data_dir, tmp_path, in_proce
 def tiny_run(data_dir, tmp_path_factory):
     """A 2-iteration shakespeare_char run, for the cases that need a checkpoint."""
     out = tmp_path_factory.mktemp("tiny") / "out"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with torch.random.fork_rng():
-        train.main(tiny_args(data_dir, out, max_iters=2, gradient_accumulation_steps=1))
-    torch.set_num_threads(threads)
+    train_once(tiny_args(data_dir, out, max_iters=2, gradient_accumulation_steps=1))
     return data_dir, out
 
 
@@ -422,6 +461,7 @@ FAILED_STARTS = {  # a configuration that fails, of each kind: its overrides of 
     "block_size": (dict(block_size=10 ** 6), "lower --block_size"),
     # the run's other settings
     "device": (dict(device="mps"), "unknown device 'mps': use auto, cpu, cuda or cuda:N"),
+    "eval-only-from-scratch": (dict(eval_only=True), "eval_only evaluates a checkpoint: add --init_from=resume"),
     "gpt2": (dict(init_from="gpt2-medium"), "pretrained GPT-2 weights don't fit nanodepth's backbone (RoPE, RMSNorm, "
              "untied head); train from scratch (--init_from=scratch) or resume (--init_from=resume)"),
     "wandb-missing": (dict(wandb_log=True), "pip install wandb"),

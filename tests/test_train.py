@@ -138,14 +138,29 @@ def base_run(runs):
     return runs(0.0)
 
 
+@contextlib.contextmanager
+def one_thread():
+    """One thread, and the caller's RNG state restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small ops on a busy 2-core box are ~100x slower with 2 threads
+    try:
+        with torch.random.fork_rng():
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def train_once(args):
+    """train.main(args) in this process under one_thread: a module fixture's finished run."""
+    with one_thread():
+        train.main(args)
+
+
 @pytest.fixture
 def in_process():
     """train.main in this process, with one thread and the caller's RNG state restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small ops on a busy 2-core box are ~100x slower with 2 threads
-    with torch.random.fork_rng():
+    with one_thread():
         yield train.main
-    torch.set_num_threads(threads)
 
 
 # -----------------------------------------------------------------------------
@@ -589,7 +604,7 @@ def test_scratch_run_keeps_previous_checkpoint(base_run, data_dir, tmp_path, in_
 def test_scratch_run_starts_a_new_log(data_dir, tmp_path, in_process):
     """An out_dir whose earlier run logged but never checkpointed (it stopped before its second eval)."""
     out = tmp_path / "out"
-    in_process(tiny_args(data_dir, out, eval_only=True))
+    in_process(tiny_args(data_dir, out, max_iters=0))  # an eval at iteration 0, logged; no checkpoint
     assert [r["iter"] for r in read_log(out)] == [0] and not (out / "ckpt.pt").exists()
     in_process(tiny_args(data_dir, out, max_iters=2))
     assert [r["iter"] for r in read_log(out)] == [0, 2]
@@ -898,9 +913,9 @@ def test_max_flops_caps_the_warmup(data_dir, tmp_path, in_process, capsys):
 
 def test_max_flops_says_when_it_counts_dense(data_dir, tmp_path, in_process, capsys):
     """MoD without a fixed capacity (flops.counted_dense: skip_middle) plans a budget at the dense count,
-    an upper bound: the plan says so (eval_only: the plan and one eval, no step)."""
+    an upper bound: the plan says so (a budget of one step)."""
     in_process(tiny_args(data_dir, tmp_path / "out", residual="sandwich", mod="skip_middle", mod_rate=0.25,
-                         eval_iters=1, eval_only=True) + ["--max_flops=1e9"])
+                         eval_iters=1) + ["--max_flops=1e7"])
     assert ("(MoD without a fixed capacity: counted dense, an upper bound; log.jsonl has the realised FLOPs)"
             in capsys.readouterr().out)
 

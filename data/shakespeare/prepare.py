@@ -13,7 +13,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)  # so `python data/shakespeare/prepare.py` can import the repo's data package
-from data.shakespeare_char.prepare import load_text, main, save  # noqa: E402
+from data.shakespeare_char.prepare import check_splits, load_text, main, save  # noqa: E402
 
 GPT2_VOCAB_SIZE = 50257
 
@@ -40,6 +40,7 @@ def prepare(out_dir=None, input_path=None, encode=None):
     # split on characters, then encode each part, as nanoGPT does
     train_ids = np.array(encode(text[:int(n * 0.9)]), dtype=np.int64)
     val_ids = np.array(encode(text[int(n * 0.9):]), dtype=np.int64)
+    check_splits(train_ids, val_ids, n)
     for ids in (train_ids, val_ids):
         if len(ids) and (ids.min() < 0 or ids.max() >= 2 ** 16):
             raise ValueError("token ids must be in [0, 65536) to be stored as uint16")

@@ -85,6 +85,19 @@ def _one_line(e):
     return " ".join(str(e).split()) or type(e).__name__
 
 
+def read_text(path):
+    """A local text file: UTF-8 with at least one character, else a RuntimeError (one line) that says so."""
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise RuntimeError(f"{path} is not UTF-8 text (byte {e.start}): convert it, e.g. iconv -t UTF-8, or pass "
+                           f"another --input") from None
+    if not text:
+        raise RuntimeError(f"{path} is empty: a dataset needs characters (pass another --input)")
+    return text
+
+
 def load_text(input_path=None):
     """Returns (text, corpus, source) from the first source that works; see the module docstring."""
     path = input_path or os.environ.get("TINY_SHAKESPEARE")
@@ -93,14 +106,12 @@ def load_text(input_path=None):
         if not os.path.isfile(path):
             origin = "--input" if input_path else "TINY_SHAKESPEARE"
             raise FileNotFoundError(f"{origin} points at {path!r}, which is not a file")
-        with open(path, "r", encoding="utf-8") as f:
-            text = f.read()
+        text = read_text(path)
         if len(text) != TINY_NUM_CHARS:
             print(f"note: {path} has {len(text):,} characters; tiny shakespeare has {TINY_NUM_CHARS:,}")
         return text, TINY_CORPUS, os.path.abspath(path)
     if os.path.isfile(LOCAL_COPY):
-        with open(LOCAL_COPY, "r", encoding="utf-8") as f:
-            return f.read(), TINY_CORPUS, LOCAL_COPY
+        return read_text(LOCAL_COPY), TINY_CORPUS, LOCAL_COPY
 
     try:
         text = _fetch_url()
@@ -136,6 +147,13 @@ def save(path, obj):
     os.replace(tmp, path)
 
 
+def check_splits(train_ids, val_ids, n_chars):
+    """Before anything is written: a text too short for a token in both splits is a RuntimeError (one line)."""
+    if not len(train_ids) or not len(val_ids):
+        raise RuntimeError(f"the text has {n_chars} character(s): too few for both a train split (90%) and a val "
+                           f"split, {len(train_ids)} and {len(val_ids)} tokens; pass a longer --input")
+
+
 def prepare(out_dir=None, input_path=None):
     """Writes train.bin, val.bin and meta.pkl into out_dir (default: this folder); returns stats."""
     out_dir = out_dir or HERE
@@ -151,6 +169,7 @@ def prepare(out_dir=None, input_path=None):
 
     ids = np.array([stoi[c] for c in text], dtype=np.uint16)
     train_ids, val_ids = ids[:int(n * 0.9)], ids[int(n * 0.9):]
+    check_splits(train_ids, val_ids, n)
 
     os.makedirs(out_dir, exist_ok=True)
     meta = {"vocab_size": vocab_size, "itos": itos, "stoi": stoi, "corpus": corpus, "source": source}
