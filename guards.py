@@ -581,7 +581,7 @@ class ZeroGradientCheck:
         shown = ", ".join(zero[:6]) + (", ..." if len(zero) > 6 else "")
         return (f"WARNING: the compiled step of iteration {iter_num} gave {len(zero)} of {n} parameters an exactly "
                 f"zero gradient ({shown}): they are not learning. Compare with --compile=False; this torch is "
-                f"{torch.__version__} (the README's 'Tested torch versions' says which are known good)")
+                f"{torch.__version__} (docs/testing.md's 'Tested torch versions' says which are known good)")
 
     def warn(self, iter_num):
         """At a log iteration (a sync point): the warning, if any, between rows of '!' on stderr."""

@@ -615,7 +615,7 @@ class NAG(Residual):
 
 
 class AttnRes(Residual):
-    """Attention Residuals (Chen et al. 2026): each sublayer reads an attention over depth instead of
+    """Attention Residuals (Kimi Team 2026): each sublayer reads an attention over depth instead of
     a running sum. The sources are b_0 = the embedding (never summed into a block), then one per
     block: b_n, the sum of the raw outputs of block n's sublayers. attnres: every sublayer is a block
     (BlockAttnRes: blocks of whole layers). Sublayer l reads h_l = sum_i alpha_i v_i over the finished
@@ -1784,7 +1784,7 @@ class SkipMiddle(MoD):
     gate again) of lam_i mean(g_i) + mu_i var(g_i) = the mean over the L/2 producers, with this
     micro-batch's mean and (unbiased) variance, as the reference's loss. The controller instead sees
     the step's statistics: sums of 1, g and g^2 over every training micro-batch since the last
-    controller_step() (all_reduced over DDP ranks by train.py), so the pooled mean and population
+    controller_step() (all_reduced over DDP ranks by SkipMiddle.after_step), so the pooled mean and population
     variance are exact. After each optimiser step controller_step() moves lam_i (mu_i) by
     eta (mean - target) (var - target) where they are more than 0.01 apart. Mean targets go linearly
     from 1 (outermost) to skip_target (innermost); variance targets t(1 - t). With one producer
@@ -2081,14 +2081,20 @@ class KVCache:
 # every mode's options are GPTConfig keys: one source, the modes' own declarations
 
 def option_owners():
-    """{option: (its default, its valid values or None, "residual" or "mod", the mode names that take it)}."""
+    """{option: (its default, its valid values or None, "residual" or "mod", the mode names that take it)}.
+    Two modes may share an option only with the same default and values (GPTConfig has one field for it):
+    else a TypeError names both."""
     owners = {}
     for key, registry in (("residual", RESIDUALS), ("mod", MODS)):
         for name, cls in registry.items():
             for option, spec in getattr(cls, "options", {}).items():
                 choices = spec if isinstance(spec, tuple) else None
                 default = choices[0] if choices else spec
-                owners.setdefault(option, (default, choices, key, []))[3].append(name)
+                known = owners.setdefault(option, (default, choices, key, []))
+                if (known[0], known[1], known[2]) != (default, choices, key):
+                    raise TypeError(f"option {option!r}: {name} declares {spec!r}, {known[3][0]} declares "
+                                    f"{known[1] or known[0]!r}; modes that share an option declare it alike")
+                known[3].append(name)
     return owners
 
 

@@ -544,3 +544,20 @@ def test_help_lists_the_registered_modes(capsys):
         train.main(["--help"])
     line = next(x for x in capsys.readouterr().out.splitlines() if x.split()[:1] == ["residual"])
     assert line.endswith("the residual mode: " + " | ".join(MODES)), line
+
+
+def test_modes_that_share_an_option_declare_it_alike(monkeypatch):
+    """GPTConfig has one field per option: two modes may share one (hc and mhc share hc_streams) only with the
+    same default and values; one that declares it otherwise is a TypeError naming both, not a silent first
+    default."""
+    assert model_module.option_owners() == model_module.OPTIONS  # today's registry declares alike
+    shared = next(o for o, (_, _, key, modes) in model_module.OPTIONS.items() if key == "residual")
+    default, choices, _, modes = model_module.OPTIONS[shared]
+    alike = type("Alike", (ReZero,), {"options": {shared: choices or default}})
+    monkeypatch.setitem(model_module.RESIDUALS, "alike", alike)
+    assert model_module.option_owners()[shared][3] == [*modes, "alike"]
+    other = (choices[1], *[c for c in choices if c != choices[1]]) if choices else \
+        (not default if isinstance(default, bool) else default + 1 if isinstance(default, (int, float)) else "other")
+    monkeypatch.setitem(model_module.RESIDUALS, "alike", type("Unlike", (ReZero,), {"options": {shared: other}}))
+    with pytest.raises(TypeError, match=rf"option '{shared}': alike declares .*{modes[0]} declares"):
+        model_module.option_owners()
