@@ -307,7 +307,7 @@ def budget_args(sw):
             [] if sw["budget"] is None else [f"--max_flops={sw['budget']}"])
 
 
-RUN_RECORD = "sweep_run.json"  # in each run's folder: the train.py configuration the sweep started it with
+SWEEP_RECORD = "sweep_run.json"  # in each run's folder: the train.py configuration the sweep started it with
 
 
 def run_settings(cfg):
@@ -316,17 +316,18 @@ def run_settings(cfg):
     return {k: v for k, v in json.loads(json.dumps(cfg, default=str)).items() if k != "out_dir"}
 
 
-def write_run_record(out_dir, cfg):
-    with open(os.path.join(out_dir, RUN_RECORD + ".tmp"), "w") as f:
+def write_sweep_record(out_dir, cfg):
+    """The run's SWEEP_RECORD (atomic): what recorded_settings reads back when the sweep runs again."""
+    with open(os.path.join(out_dir, SWEEP_RECORD + ".tmp"), "w") as f:
         json.dump({"config": run_settings(cfg)}, f, indent=1)
         f.write("\n")
-    os.replace(os.path.join(out_dir, RUN_RECORD + ".tmp"), os.path.join(out_dir, RUN_RECORD))
+    os.replace(os.path.join(out_dir, SWEEP_RECORD + ".tmp"), os.path.join(out_dir, SWEEP_RECORD))
 
 
 def recorded_settings(out_dir):
-    """What the run in out_dir was started with: its RUN_RECORD, else (a run started before sweeps wrote one)
+    """What the run in out_dir was started with: its SWEEP_RECORD, else (a run started before sweeps wrote one)
     the command line of train.py's config.json, resolved as run_settings; None when neither is there."""
-    path = os.path.join(out_dir, RUN_RECORD)
+    path = os.path.join(out_dir, SWEEP_RECORD)
     if not os.path.exists(path):
         path = os.path.join(out_dir, "config.json")  # its config is train.py's after planning: its command is ours
         if not os.path.exists(path):
@@ -334,7 +335,7 @@ def recorded_settings(out_dir):
     try:
         with open(path) as f:
             record = json.load(f)
-        if path.endswith(RUN_RECORD):
+        if path.endswith(SWEEP_RECORD):
             return record["config"]
         args = shlex.split(record["command"])
         args = [a for a in args[args.index("train.py") + 1:] if not a.startswith(("--out_dir=", "--init_from="))]
@@ -564,7 +565,7 @@ def _sweep(sw, root, runs, base_argv, cfgs, argv):
                   flush=True)
     if unrecorded:
         shown = ", ".join(unrecorded[:4]) + (", ..." if len(unrecorded) > 4 else "")
-        print(f"note: {len(unrecorded)} kept run(s) ({shown}) have no {RUN_RECORD} nor config.json: their settings "
+        print(f"note: {len(unrecorded)} kept run(s) ({shown}) have no {SWEEP_RECORD} nor config.json: their settings "
               f"are not checked against this sweep's", flush=True)
     print_plan(sw, runs, todo, seconds, cfgs, root)
     signals = []  # SIGINT / SIGTERM only land here; the loop then stops the runs and waits for them
@@ -596,7 +597,7 @@ def _sweep(sw, root, runs, base_argv, cfgs, argv):
                        *override_args(overrides), *(["--init_from=resume"] if resume else [])]
                 os.makedirs(out_dir, exist_ok=True)
                 if not resume:  # a resumed run's record is its start's (checked above); none: not guessed now
-                    write_run_record(out_dir, cfgs[name])
+                    write_sweep_record(out_dir, cfgs[name])
                 log = open(os.path.join(out_dir, "stdout.txt"), "a")
                 running[name] = (subprocess.Popen(cmd, cwd=HERE, stdout=log, stderr=subprocess.STDOUT), log, time.time())
                 status[name] = "running"

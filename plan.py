@@ -21,8 +21,8 @@ WARMUP_CAP = 0.1  # with a budget, warmup_iters is at most this fraction of its 
 
 class RunPlan:
     """The iterations and LR of one run. cfg: train.py's configuration (max_iters, warmup_iters, lr_decay_iters,
-    learning_rate, min_lr, decay_lr, max_flops, max_seconds, nag_alpha_warmup_tokens, eval_interval), filled in
-    and updated in place.
+    learning_rate, min_lr, decay_lr, max_flops, max_seconds, nag_alpha_warmup_tokens, eval_interval, init_from,
+    eval_only), filled in and updated in place.
     flops_per_token: training FLOPs per token (flops.train_flops_per_token); dense_note: a note for a budget
     counted dense (MoD without a fixed capacity); resumed_cfg: the checkpoint's configuration on resume."""
 
@@ -38,6 +38,8 @@ class RunPlan:
             self.plan_flops(dense_note)
         if cfg["max_seconds"] is not None:
             self.plan_deadline(resumed_cfg, ddp)
+        elif cfg["max_flops"] is None and cfg["init_from"] == "scratch" and not cfg["eval_only"]:
+            self.warn_if_the_cosine_outlasts_the_run()
 
     def lr(self, it):
         """The learning rate of iteration it: linear warm-up, cosine decay to min_lr at lr_decay_iters."""
@@ -71,10 +73,16 @@ class RunPlan:
                   f"{cfg['max_iters']:,} iters, warmup_iters {cfg['warmup_iters']:,}"
                   + (f" (capped at {WARMUP_CAP:.0%} of the iters)" if capped else "")
                   + f", lr_decay_iters {cfg['lr_decay_iters']:,}" + dense_note)
-            if cfg["decay_lr"] and cfg["lr_decay_iters"] > cfg["max_iters"]:  # set apart from max_iters, and longer
-                print(f"warning: lr_decay_iters {cfg['lr_decay_iters']:,} > the budget's {cfg['max_iters']:,} iters: "
-                      f"the run ends before the cosine does, at LR {self.lr(cfg['max_iters']):.2e}, not min_lr; to "
-                      f"decay over the run, --lr_decay_iters={cfg['max_iters']}", file=sys.stderr, flush=True)
+        self.warn_if_the_cosine_outlasts_the_run(" (what the budget buys)")  # lr_decay_iters set apart, and longer
+
+    def warn_if_the_cosine_outlasts_the_run(self, what=""):
+        """One warning (rank 0) where the run ends before its cosine does, so its LR never reaches min_lr,
+        with the fix; not where the whole run is warm-up (check_training_values says that)."""
+        cfg = self.cfg
+        if self.verbose and cfg["decay_lr"] and cfg["warmup_iters"] < cfg["max_iters"] < cfg["lr_decay_iters"]:
+            print(f"warning: lr_decay_iters {cfg['lr_decay_iters']} > max_iters {cfg['max_iters']}{what}: the run ends before "
+                  f"the cosine does, at LR {self.lr(cfg['max_iters']):.2e}, not min_lr; to decay over the run, "
+                  f"--lr_decay_iters={cfg['max_iters']}", file=sys.stderr, flush=True)
 
     def plan_deadline(self, resumed_cfg, ddp):
         """max_seconds (equal time): at_step sets the iterations at every step boundary."""

@@ -113,8 +113,8 @@ def check_training_values(cfg, master=None):
     """The optimizer's and the LR schedule's numbers of a train.py configuration, before anything is
     built or written: a value AdamW or the schedule cannot take is a one-line ConfigError that names
     the fix. Then warnings (rank 0; master None: from $RANK) for what runs but is likely a mistake: a
-    warm-up as long as the run, a cosine that ends after the run (its LR never reaches min_lr), and
-    kernels=triton on a CPU."""
+    warm-up as long as the run, and kernels=triton on a CPU (a cosine that ends after the run: the plan's,
+    RunPlan.warn_if_the_cosine_outlasts_the_run)."""
     def need(ok, key, what, example):
         if not ok:
             raise ConfigError(f"{key} must be {what}, got {cfg[key]!r} (e.g. --{key}={example})")
@@ -141,14 +141,6 @@ def check_training_values(cfg, master=None):
         print(f"warning: warmup_iters {cfg['warmup_iters']} >= max_iters {cfg['max_iters']}: the whole run is "
               f"warm-up and the LR never reaches learning_rate; lower it, e.g. "
               f"--warmup_iters={math.ceil(0.1 * cfg['max_iters'])}", file=sys.stderr, flush=True)
-    elif (cfg["init_from"] == "scratch" and not budget and not cfg["eval_only"] and cfg["decay_lr"]
-          and isinstance(cfg["max_iters"], int)
-          and cfg["lr_decay_iters"] is not None and 0 < cfg["max_iters"] < cfg["lr_decay_iters"]):
-        from plan import RunPlan  # the schedule's own LR at the run's end
-        end_lr = RunPlan(dict(cfg), 1, 1.0, verbose=False).lr(cfg["max_iters"])
-        print(f"warning: lr_decay_iters {cfg['lr_decay_iters']} > max_iters {cfg['max_iters']}: the run ends before "
-              f"the cosine does, at LR {end_lr:.2e}, not min_lr; to decay over the run, "
-              f"--lr_decay_iters={cfg['max_iters']}", file=sys.stderr, flush=True)
     if cfg["kernels"] == "triton" and (cfg["device"] == "cpu" or (cfg["device"] == "auto"
                                                                   and not torch.cuda.is_available())):
         print(KERNELS_ON_CPU, file=sys.stderr, flush=True)
@@ -409,6 +401,19 @@ def vocab_difference(ckpt, ddir):
     def name(v):
         return f"the {v['encoding']} encoding" if "encoding" in v else f"{v['vocab_size']} characters"
     return f"it trained on {name(carried)}, {ddir} has {name(now)}"
+
+
+def check_same_dataset(ckpt, data, vocab_size, fix):
+    """A checkpoint's run (resumed, evaluated) reads the dataset it trained on (data: its dataset and data_dir):
+    the same vocab_size, and the same vocabulary (a dataset prepared again, in place, from another text maps
+    the same ids to other tokens). fix: what the one-line error tells the user to do."""
+    if ckpt["model_args"]["vocab_size"] != vocab_size:
+        raise ConfigError(f"the checkpoint has vocab_size {ckpt['model_args']['vocab_size']} but dataset "
+                          f"{data['dataset']} has {vocab_size}; {fix}")
+    changed = vocab_difference(ckpt, os.path.join(data["data_dir"], data["dataset"]))
+    if changed:
+        raise ConfigError(f"dataset {data['dataset']} has another vocabulary than the checkpoint ({changed}): it "
+                          f"was prepared again since the run trained; {fix}")
 
 
 def load_codec(ckpt):

@@ -49,7 +49,8 @@ import torch
 from configurator import ConfigError, configure
 from flops import forward_flops
 from model import GPT, GPTConfig
-from run_config import EVAL_SEED, find_data, get_batch, load_checkpoint, pick_device, sublayer_names, vocab_difference
+from run_config import (EVAL_SEED, check_same_dataset, find_data, get_batch, load_checkpoint, pick_device,
+                        sublayer_names)
 
 DEFAULTS = dict(
     out_dir="out",  # the checkpoint is out_dir/ckpt.pt
@@ -290,13 +291,7 @@ def main(argv):
     if not data["dataset"] or not data["data_dir"]:
         raise ConfigError(f"{path} does not name its dataset: pass --dataset=NAME --data_dir=DIR")
     paths, vocab_size = find_data(data, master=True)
-    if vocab_size != config.vocab_size:
-        raise ConfigError(f"the checkpoint has vocab_size {config.vocab_size} but dataset {data['dataset']} has "
-                          f"{vocab_size}; pass the --dataset it was trained on")
-    changed = vocab_difference(ckpt, os.path.join(data["data_dir"], data["dataset"]))
-    if changed:  # a dataset prepared again from another text: its losses would be of re-mapped tokens
-        raise ConfigError(f"dataset {data['dataset']} has another vocabulary than the checkpoint ({changed}); "
-                          f"pass the data it was trained on (--data_dir, --dataset)")
+    check_same_dataset(ckpt, data, vocab_size, "pass the data it was trained on (--data_dir, --dataset)")
     T = config.block_size
     if os.path.getsize(paths["val"]) // 2 <= T:
         raise ConfigError(f"the val split of {data['dataset']} is shorter than block_size {T} + 1 tokens")

@@ -41,8 +41,8 @@ from guards import (Interrupted, RunKeeper, StopSignals, TrainingStopped, ZeroGr
                     resumed_config, rng_state, set_aside_previous_run, write_run_record)
 from model import GPT
 from plan import RunPlan
-from run_config import (DEFAULTS, EVAL_SEED, HELP_FROM, dataset_vocab, find_data, format_duration, get_batch,
-                        load_checkpoint, model_config, muon_settings, pick_device, save_checkpoint, vocab_difference)
+from run_config import (DEFAULTS, EVAL_SEED, HELP_FROM, check_same_dataset, dataset_vocab, find_data, format_duration, get_batch,
+                        load_checkpoint, model_config, muon_settings, pick_device, save_checkpoint)
 
 POSITIVE_KEYS = ("batch_size", "gradient_accumulation_steps", "eval_interval", "log_interval", "eval_iters")
 WANDB_NAMES = {"train_loss": "train/loss", "val_loss": "val/loss"}  # log.jsonl's names that wandb gets as nanoGPT's
@@ -161,7 +161,8 @@ class Trainer:
         self.paths, self.vocab_size = find_data(cfg, self.master)
         self.vocab = dataset_vocab(os.path.join(cfg["data_dir"], cfg["dataset"]))  # the checkpoint carries it
         if ckpt is not None:
-            check_same_dataset(cfg, ckpt, self.vocab_size)
+            check_same_dataset(ckpt, cfg, self.vocab_size, "use the dataset it was trained on (prepared from the "
+                                                           "run's text), or start with --init_from=scratch")
         check_block_fits(cfg, self.paths)
         self.gptconf = model_config(cfg, self.vocab_size)
         check_nag_recipe(cfg)  # after the model keys: on resume, residual comes from the checkpoint
@@ -879,19 +880,6 @@ def check_run_config(cfg):
             raise ConfigError(f"max_seconds must be a number of seconds > 0, got {cfg['max_seconds']!r}")
     from run_config import check_training_values  # AdamW's and the schedule's numbers; warnings
     check_training_values(cfg)
-
-
-def check_same_dataset(cfg, ckpt, vocab_size):
-    """A resume trains on the dataset its checkpoint trained on: the same vocab_size, and the same vocabulary
-    (a dataset prepared again, in place, from another text maps the same ids to other tokens)."""
-    if ckpt["model_args"]["vocab_size"] != vocab_size:
-        raise ConfigError(f"the checkpoint has vocab_size {ckpt['model_args']['vocab_size']} but dataset "
-                          f"{cfg['dataset']} has {vocab_size}; use the dataset it was trained on")
-    changed = vocab_difference(ckpt, os.path.join(cfg["data_dir"], cfg["dataset"]))
-    if changed:
-        raise ConfigError(f"dataset {cfg['dataset']} has another vocabulary than the checkpoint ({changed}): "
-                          f"it was prepared again since the run trained; prepare it from the run's text "
-                          f"again, or start with --init_from=scratch")
 
 
 def check_block_fits(cfg, paths):

@@ -299,28 +299,6 @@ def assert_save_failed_in_one_line(r, out, before, reason):
     assert (out / "ckpt.pt").read_bytes() == before and not (out / "ckpt.pt.tmp").exists()
 
 
-def test_a_disk_full_in_the_middle_of_a_save_is_one_line_and_keeps_the_checkpoint(trained, tmp_path):
-    """A resume whose next checkpoint outgrows what the disk takes (the file-size limit: half a checkpoint)."""
-    data, out = trained
-    out = shutil.copytree(out, tmp_path / "out")
-    before = (out / "ckpt.pt").read_bytes()
-    with file_size_limit(len(before) // 2):
-        r = run_train_here(resume_args(data, out))
-    assert_save_failed_in_one_line(r, out, before, "File too large")
-
-
-def test_a_disk_full_at_the_start_is_one_line_and_moves_nothing(trained, tmp_path):
-    """Not one byte fits: the start fails before it moves the earlier run aside or writes a config.json."""
-    data, out = trained
-    out = shutil.copytree(out, tmp_path / "out")
-    before = sorted(os.listdir(out))
-    config = (out / "config.json").read_bytes()
-    with file_size_limit(0):
-        r = run_train_here(tiny_args(data, out, max_iters=4, lr_decay_iters=4))
-    assert_one_line_error(r, f"cannot write to out_dir {out}", "File too large", "--out_dir")
-    assert sorted(os.listdir(out)) == before and (out / "config.json").read_bytes() == config
-
-
 @pytest.mark.parametrize("refused", ["file-size limit", "/dev/full"])
 def test_write_run_record_is_atomic_and_one_line(refused, tmp_path):
     """config.json is written whole or not at all: a refused write leaves neither an empty nor a torn one."""
@@ -337,11 +315,11 @@ def test_write_run_record_is_atomic_and_one_line(refused, tmp_path):
     assert os.listdir(tmp_path) == ["config.json"]
 
 
-# a real full disk: a 4 MB tmpfs (root on Linux; skipped where mount is not allowed)
+# a disk that fills up: the file-size limit (everywhere), and a real 4 MB tmpfs (root on Linux; skipped where
+# mount is not allowed)
 
-@pytest.fixture
-def small_disk(tmp_path):
-    disk = tmp_path / "disk"
+@contextmanager
+def mounted_tmpfs(disk):
     disk.mkdir()
     try:
         r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True,
@@ -357,27 +335,44 @@ def small_disk(tmp_path):
             subprocess.run(["umount", "-l", str(disk)], capture_output=True, timeout=30)
 
 
-def fill(disk, leave):
-    """Fill the file system of disk up to `leave` free bytes."""
+@contextmanager
+def filled(disk, leave):
+    """The file system of disk filled up to `leave` free bytes."""
     st = os.statvfs(disk)
     with open(disk / "filler", "wb") as f:
         f.write(bytes(max(0, st.f_bavail * st.f_frsize - leave)))
+    yield
 
 
-def test_a_real_full_disk_in_the_middle_of_a_save(trained, small_disk):
+@pytest.fixture(params=["file-size limit", "tmpfs"])
+def full_disk(request, tmp_path):
+    """(a folder, full(leave): a context in which writes there stop `leave` bytes on, the error's reason)."""
+    if request.param == "file-size limit":
+        yield tmp_path, file_size_limit, "File too large"
+    else:
+        with mounted_tmpfs(tmp_path / "disk") as disk:
+            yield disk, lambda leave: filled(disk, leave), "No space left on device"
+
+
+def test_a_disk_full_in_the_middle_of_a_save_is_one_line_and_keeps_the_checkpoint(trained, full_disk):
+    """A resume whose next checkpoint outgrows what the disk takes (half a checkpoint)."""
     data, out = trained
-    out = shutil.copytree(out, small_disk / "out")
+    disk, full, reason = full_disk
+    out = shutil.copytree(out, disk / "out")
     before = (out / "ckpt.pt").read_bytes()
-    fill(small_disk, len(before) // 2)
-    r = run_train_here(resume_args(data, out))
-    assert_save_failed_in_one_line(r, out, before, "No space left on device")
+    with full(len(before) // 2):
+        r = run_train_here(resume_args(data, out))
+    assert_save_failed_in_one_line(r, out, before, reason)
 
 
-def test_a_real_disk_full_at_the_start(trained, small_disk):
+def test_a_disk_full_at_the_start_is_one_line_and_moves_nothing(trained, full_disk):
+    """Not one byte fits: the start fails before it moves the earlier run aside or writes a config.json."""
     data, out = trained
-    out = shutil.copytree(out, small_disk / "out")
+    disk, full, reason = full_disk
+    out = shutil.copytree(out, disk / "out")
     before = sorted(os.listdir(out))
-    fill(small_disk, 0)
-    r = run_train_here(tiny_args(data, out, max_iters=4, lr_decay_iters=4))
-    assert_one_line_error(r, f"cannot write to out_dir {out}", "No space left on device", "free space")
-    assert sorted(os.listdir(out)) == before
+    config = (out / "config.json").read_bytes()
+    with full(0):
+        r = run_train_here(tiny_args(data, out, max_iters=4, lr_decay_iters=4))
+    assert_one_line_error(r, f"cannot write to out_dir {out}", reason, "--out_dir")
+    assert sorted(os.listdir(out)) == before and (out / "config.json").read_bytes() == config

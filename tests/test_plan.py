@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parents[1]
 def config(**kw):
     """train.py's plan keys, at values that make the arithmetic easy to follow."""
     cfg = dict(max_iters=100, warmup_iters=10, lr_decay_iters=None, learning_rate=1e-3, min_lr=None, decay_lr=True,
-               max_flops=None, max_seconds=None, eval_interval=25, nag_alpha_warmup_tokens=0)
+               max_flops=None, max_seconds=None, eval_interval=25, nag_alpha_warmup_tokens=0,
+               init_from="scratch", eval_only=False)
     cfg.update(kw)
     return cfg
 
@@ -63,7 +64,7 @@ def test_a_flop_budget_that_ends_before_a_kept_decay_says_so(capsys):
     that follows max_iters and a constant LR say nothing."""
     p = plan.RunPlan(config(max_flops=3.2e6, lr_decay_iters=400), 128, 100.0)
     err = capsys.readouterr().err
-    assert err.strip() == (f"warning: lr_decay_iters 400 > the budget's 250 iters: the run ends before the cosine "
+    assert err.strip() == (f"warning: lr_decay_iters 400 > max_iters 250 (what the budget buys): the run ends before the cosine "
                            f"does, at LR {p.lr(250):.2e}, not min_lr; to decay over the run, --lr_decay_iters=250")
     for kw in (dict(lr_decay_iters=200), dict(lr_decay_iters=None), dict(lr_decay_iters=400, decay_lr=False)):
         plan.RunPlan(config(max_flops=3.2e6, **kw), 128, 100.0)
@@ -162,6 +163,7 @@ def test_a_cosine_that_outlasts_the_run_is_warned_about(capsys):
     def warned(*args):
         cfg = configure([str(REPO / "config" / "shakespeare_char_cpu.py"), *args], run_config.DEFAULTS)
         run_config.check_training_values(cfg, master=True)
+        plan.RunPlan(cfg, 768, 1e5, resumed_cfg=cfg if cfg["init_from"] == "resume" else None)
         return capsys.readouterr().err
     p = plan.RunPlan(config(max_iters=300, warmup_iters=100, lr_decay_iters=2000, min_lr=1e-4), 128, 1.0,
                      verbose=False)
