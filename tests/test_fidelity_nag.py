@@ -284,7 +284,8 @@ def test_alpha_warmup_schedule():
     and training step: 0 at step 0, linear, then 1; 0 tokens: off."""
     def scale(it, warmup_tokens, tokens_per_iter=1000):
         cfg = dict(max_iters=10, warmup_iters=0, lr_decay_iters=None, learning_rate=1e-3, min_lr=None, decay_lr=True,
-                   max_flops=None, max_seconds=None, nag_alpha_warmup_tokens=warmup_tokens)
+                   max_flops=None, max_seconds=None, nag_alpha_warmup_tokens=warmup_tokens, init_from="scratch",
+                   eval_only=False)
         return plan.RunPlan(cfg, tokens_per_iter, flops_per_token=1.0, verbose=False).alpha_scale(it)
     assert [scale(it, 4000) for it in (0, 1, 3, 9)] == [0.0, 0.25, 0.75, 1.0]
     assert scale(0, 0) == 1.0

@@ -625,7 +625,7 @@ def test_a_sweep_never_mixes_runs_of_other_settings(data_dir, tmp_path, capsys, 
     assert (root / "results.csv").read_text() == before
     # a run from before sweep_run.json: the command in train.py's config.json is its record (its config is
     # train.py's after planning, max_iters and the LR schedule resolved: not what the sweep gave)
-    os.remove(root / "prenorm_L2" / flops.RUN_RECORD)
+    os.remove(root / "prenorm_L2" / flops.SWEEP_RECORD)
     (root / "prenorm_L2" / "config.json").write_text(json.dumps({
         "command": shlex.join(["python", "train.py", *fake_train(root / "prenorm_L2")[0]]),
         "config": {"max_iters": 24, "lr_decay_iters": 24, "device": "cpu"}}))
