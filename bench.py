@@ -7,6 +7,7 @@ Benchmarks that print figures (speed targets are checked here, not in timed test
     python bench.py --section=mod        # Mixture-of-Depths step time at mod_rate 0, 0.25, 0.5
     python bench.py --section=compile    # eager vs compiled reference vs compiled custom ops, per mode
     python bench.py --section=quickstart # the quickstart command against a nanoGPT-like baseline run
+    python bench.py --section=quickstart --nanogpt=DIR  # ... against nanoGPT itself, a checkout in DIR
     python bench.py --section=sample     # sampling with a KV cache: one mod=nag model, dense vs routed
     python bench.py --section=steps --sweep=config/<sweep>.py  # each cell's step time vs its baseline's
     python bench.py --section=gpu        # every GPU figure in one command (8 minutes): docs/results.md
@@ -29,9 +30,12 @@ as custom ops (kernels=triton: on a GPU the Triton kernels; on a CPU the ops run
 step time, peak memory (GPU) and the bytes saved for backward, as ratios to prenorm. --backend picks
 torch.compile's backend (inductor; aot_eager compiles in seconds, for a quick check).
 quickstart (not part of "all": whole training runs): `python train.py config/shakespeare_char_cpu.py`
-against `python bench.py baseline config/shakespeare_char_cpu.py` (nanoGPT's model and loop on the
-same config; see baseline_train), both cut to --max_iters, as whole processes in --pairs interleaved
-pairs: median wall times, their ratio, and each run's final val loss on the same eval batches.
+against a peer on the same recipe, both cut to --max_iters, as whole processes in --pairs interleaved pairs:
+median wall and CPU times, their ratios, each run's last val loss, and the time our run took to reach the
+peer's last val loss. The peer: nanoGPT itself with --nanogpt=DIR (a checkout: git clone
+https://github.com/karpathy/nanoGPT DIR; its data prepared from our text, as the error says; NANOGPT_ARGS
+is its command), or by default `python bench.py baseline config/shakespeare_char_cpu.py` (nanoGPT's model
+and loop on the same config, in this repo; see baseline_train; ours then runs without its final eval).
 sample (not part of "all"): tokens/s of generate() with the KV cache, one batch-1 sequence, for the
 same mod=nag model run dense (thresholds off), with its eval routing, and with every sublayer skipped
 (what a token costs that no sublayer can save: embedding, the scores, head, sampling), in --pairs
@@ -96,6 +100,7 @@ DEFAULTS = dict(
     batch_size=0,  # model, mod, compile, gpu: sequences per step (0: the section's own)
     pairs=3,  # quickstart, sample: interleaved pairs of runs
     max_iters=600,  # quickstart: iterations per run
+    nanogpt="",  # quickstart: a nanoGPT checkout to time instead of the built-in baseline (see docs/testing.md)
     layers=0,  # model: the depth (0: 12 on a GPU, 4 on a CPU); sample: the random model's (0: 8)
     out_dir="",  # sample: a mod=nag checkpoint's out_dir ("": a random model, --layers deep, --width wide)
     tokens=500,  # sample: tokens per sample
@@ -518,37 +523,98 @@ def baseline_train(argv):
 
 
 QUICKSTART = "config/shakespeare_char_cpu.py"
+# nanoGPT's own train.py at the quickstart's recipe (its Shakespeare config has our LR, schedule, beta2 and
+# clipping): the shape, the CPU, eager, and the evals; --max_iters, --lr_decay_iters and --out_dir are added
+NANOGPT_ARGS = ["train.py", "config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--block_size=64",
+                "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--dropout=0.0", "--eval_interval=250",
+                "--eval_iters=20"]
+EVAL_LINE = re.compile(r"^step (\d+): train loss [\d.]+, val loss ([\d.]+)", re.M)  # train.py's and nanoGPT's
 
 
-def bench_quickstart(pairs, max_iters, config=QUICKSTART):
-    """Wall time of the whole train.py command (start-up, data checks, training, evals, checkpoints)
-    against `bench.py baseline` on the same config, both cut to max_iters (LR schedule included), in
-    `pairs` interleaved pairs (who goes first alternates); the median of each, their ratio, and each
-    run's final val loss (the same eval batches). Returns {name: (median seconds, [final val losses])}."""
-    print(f"\n## quickstart: python train.py {config} --max_iters={max_iters} vs the nanoGPT-like baseline, "
-          f"{pairs} interleaved pair(s), {torch.get_num_threads()} threads")
+def nanogpt_checkout(path):
+    """The nanoGPT checkout --nanogpt names, with its Shakespeare data prepared; a one-line error naming the
+    fix otherwise."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(os.path.join(path, "train.py")) or \
+            not os.path.isfile(os.path.join(path, "config", "train_shakespeare_char.py")):
+        raise ConfigError(f"--nanogpt={path}: not a nanoGPT checkout (no train.py and config/train_shakespeare_char.py);"
+                          f" get one: git clone https://github.com/karpathy/nanoGPT {path}")
+    data = os.path.join(path, "data", "shakespeare_char")
+    if not all(os.path.isfile(os.path.join(data, f)) for f in ("train.bin", "val.bin", "meta.pkl")):
+        ours = os.path.join(REPO, "data", "shakespeare_char", "input.txt")
+        raise ConfigError(f"--nanogpt={path}: its Shakespeare data is not prepared; prepare it from the same text: "
+                          f"cp {ours} {data}/ && python {data}/prepare.py")
+    return path
+
+
+def run_timed(cmd, cwd):
+    """Run cmd (unbuffered output) to its end: (wall seconds, CPU seconds of the process, its stdout, [(seconds
+    since its start, val loss)] of each eval line as it was printed). A failed run raises with its output's end."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, evals = [], []
+    for line in proc.stdout:
+        lines.append(line)
+        found = EVAL_LINE.match(line)
+        if found:
+            evals.append((time.perf_counter() - t0, float(found.group(2))))
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall, out = time.perf_counter() - t0, "".join(lines)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{out[-2000:]}")
+    return wall, usage.ru_utime + usage.ru_stime, out, evals
+
+
+def bench_quickstart(pairs, max_iters, config=QUICKSTART, nanogpt=""):
+    """Wall time of the whole train.py command (start-up, data checks, training, evals, checkpoints) against a
+    peer on the same recipe, both cut to max_iters (LR schedule included), in `pairs` interleaved pairs (who goes
+    first alternates): the median of each, their ratio, the CPU time's ratio, each run's last val loss. The peer:
+    nanoGPT itself (nanogpt: a checkout's path; ours then runs as the README's command does, its final eval
+    included), or `bench.py baseline` (nanoGPT's model and loop in this repo; ours without its final eval,
+    which the baseline has not). Also the time to the peer's last val loss: when the first of our eval lines
+    at or below the peer's median last val loss was printed (an upper bound: evals are eval_interval apart),
+    against the peer's median wall. Returns {name: (median seconds, [last val losses])}."""
+    peer = "nanoGPT itself" if nanogpt else "the nanoGPT-like baseline"
+    print(f"\n## quickstart: python train.py {config} --max_iters={max_iters} vs {peer}, "
+          f"{pairs} interleaved pair(s), {os.cpu_count()} cores")
     run_config.find_data(configure([config], run_config.DEFAULTS))  # prepared before any timing
-    runs = {"train.py (nanodepth prenorm)": ["train.py"], "baseline (nanoGPT model and loop)": ["bench.py", "baseline"]}
-    walls, losses = {name: [] for name in runs}, {name: [] for name in runs}
+    cut = [f"--max_iters={max_iters}", f"--lr_decay_iters={max_iters}"]
+    if nanogpt:
+        checkout = nanogpt_checkout(nanogpt)
+        runs = {"train.py (nanodepth prenorm)": (["train.py", config, *cut, "--device=cpu"], REPO),
+                f"nanoGPT ({checkout})": ([*NANOGPT_ARGS, *cut], checkout)}
+    else:
+        runs = {"train.py (nanodepth prenorm)": (["train.py", config, *cut, "--final_eval_tokens=0"], REPO),
+                "baseline (nanoGPT model and loop)": (["bench.py", "baseline", config, *cut], REPO)}
+    walls, cpus, losses, evals = ({name: [] for name in runs} for _ in range(4))
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(pairs):
-            for name, script in (list(runs.items()) if i % 2 == 0 else list(runs.items())[::-1]):
-                out_dir = os.path.join(tmp, f"{len(walls[name])}-{script[0]}")
-                cmd = [sys.executable, *script, config, f"--max_iters={max_iters}", f"--lr_decay_iters={max_iters}",
-                       f"--out_dir={out_dir}", *(["--final_eval_tokens=0"] if script == ["train.py"] else [])]
-                t = time.perf_counter()
-                done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-                walls[name].append(time.perf_counter() - t)
-                if done.returncode != 0:
-                    raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
-                losses[name].append(float(re.findall(r"val loss ([0-9.]+)", done.stdout)[-1]))
+            for name, (args, cwd) in (list(runs.items()) if i % 2 == 0 else list(runs.items())[::-1]):
+                out_dir = os.path.join(tmp, f"{len(walls[name])}-{list(runs).index(name)}")
+                wall, cpu, _, seen = run_timed([sys.executable, *args, f"--out_dir={out_dir}"], cwd)
+                if not seen:
+                    raise RuntimeError(f"{' '.join(args)} printed no eval line ('step N: ... val loss X')")
+                walls[name].append(wall)
+                cpus[name].append(cpu)
+                losses[name].append(seen[-1][1])
+                evals[name].append(seen)
     median = {name: statistics.median(w) for name, w in walls.items()}
-    base = median["baseline (nanoGPT model and loop)"]
-    print("| command | median wall s | vs baseline | final val loss |")
-    print("|---|---|---|---|")
+    ours, base = list(runs)
+    print("| command | median wall s | vs the peer | median CPU s | vs the peer | last val loss |")
+    print("|---|---|---|---|---|---|")
     for name in runs:
-        print(f"| {name} | {median[name]:.1f} | {median[name] / base:.2f}x "
-              f"| {' '.join(f'{x:.4f}' for x in losses[name])} |")
+        cpu = statistics.median(cpus[name])
+        print(f"| {name} | {median[name]:.1f} | {median[name] / median[base]:.2f}x | {cpu:.1f} "
+              f"| {cpu / statistics.median(cpus[base]):.2f}x | {' '.join(f'{x:.4f}' for x in losses[name])} |")
+    target = statistics.median(losses[base])
+    reached = [next((t for t, v in seen if v <= target), None) for seen in evals[ours]]
+    if None in reached:
+        print(f"time to the peer's last val loss ({target:.4f}): not reached by {reached.count(None)} of our runs")
+    else:
+        print(f"time to the peer's last val loss ({target:.4f}): at most {statistics.median(reached):.1f} s "
+              f"(the first of our evals at or below it), {statistics.median(reached) / median[base]:.2f}x the peer's wall")
     return {name: (median[name], losses[name]) for name in runs}
 
 
@@ -1197,7 +1263,7 @@ def main(argv=None):
     if cfg["section"] == "compile":  # not in "all": it compiles 10 models
         times.update(bench_compile(device, dtype, reps, cfg["batch_size"], cfg["backend"])[0])
     if cfg["section"] == "quickstart":  # not in "all": whole training runs
-        times.update(bench_quickstart(cfg["pairs"], cfg["max_iters"]))
+        times.update(bench_quickstart(cfg["pairs"], cfg["max_iters"], nanogpt=cfg["nanogpt"]))
     if cfg["section"] == "steps":  # not in "all": a sweep config's cells
         times.update(bench_steps(cfg["sweep"], cfg["rounds"], cfg["steps_out"] or os.path.join(REPO, "out", "step_times.csv"),
                                  device, dtype))

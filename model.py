@@ -122,9 +122,10 @@ class RotateComplex(torch.autograd.Function):
 
     @staticmethod
     def rotate(x, rope, conj):
-        c = torch.view_as_complex(rope.contiguous())
-        pairs = torch.view_as_complex(upcast(x).reshape(*x.shape[:-1], -1, 2).contiguous())
-        return torch.view_as_real(pairs * (c.conj() if conj else c)).flatten(-2).type_as(x)
+        c, pairs = torch.view_as_complex(rope.contiguous()), upcast(x).reshape(*x.shape[:-1], -1, 2)
+        if pairs.stride(-1) != 1 or pairs.storage_offset() % 2 or any(s % 2 for s in pairs.stride()[:-1]):
+            pairs = pairs.contiguous()  # else q and k are viewed where c_attn wrote them: no copy
+        return torch.view_as_real(torch.view_as_complex(pairs) * (c.conj() if conj else c)).flatten(-2).type_as(x)
 
 
 VALUE_RESIDUALS = ("none", "half", "learned")
@@ -441,9 +442,8 @@ class GPT(nn.Module):
 
     def describe(self):
         """One line: the modes and the shape, for train.py's banner."""
-        c = self.config
-        mod = f" + mod={c.mod} at mod_rate {c.mod_rate:g}" if c.mod != "none" else ""
-        return f"{c.residual}{mod}: {c.n_layer} layers{self.stream.describe()}, {c.n_embd} wide"
+        c, mod = self.config, f" + mod={self.config.mod} at mod_rate {self.config.mod_rate:g}"
+        return f"{c.residual}{mod if c.mod != 'none' else ''}: {c.n_layer} layers{self.stream.describe()}, {c.n_embd} wide"
 
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, kv_cache=True):
         """nanoGPT's: max_new_tokens sampled after idx (LongTensor [B, T]); sample() below, with KV caches."""

@@ -11,6 +11,7 @@ import math
 import os
 import pickle
 import sys
+import time
 import zipfile
 from collections import namedtuple
 from dataclasses import fields
@@ -80,6 +81,7 @@ DEFAULTS = dict(
     device="auto",  # 'auto', 'cpu', 'cuda', 'cuda:1', ...: see pick_device
     dtype="auto",  # 'auto', 'float32', 'bfloat16' or 'float16': see pick_device
     compile=False,  # torch.compile the model (the Triton kernels stay visible as custom ops)
+    threads=0,  # CPU: intra-op threads (0: OMP_NUM_THREADS if set, else the cores no other work keeps busy at the start)
     seed=1337,  # init and batches; DDP ranks add their rank
 )
 # where DEFAULTS are written: configurator's --help prints the comment on each key's line
@@ -226,6 +228,56 @@ def pick_device(device="auto", dtype="auto"):
     autocast = (contextlib.nullcontext() if dtype == "float32"
                 else torch.autocast(device_type=device.type, dtype=getattr(torch, dtype)))
     return Precision(device, dtype, autocast)
+
+
+def free_cores(seconds=0.1):
+    """The cores this process may run on, less the share of them other work keeps busy: their idle time over
+    `seconds`, from /proc/stat (Linux). Returns (cores, free cores), free None where /proc/stat cannot be read."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+    def idle_and_total():
+        idle = total = 0
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *ticks = line.split()
+                if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+                    ticks = [int(t) for t in ticks[:8]]  # user nice system idle iowait irq softirq steal
+                    idle, total = idle + ticks[3] + ticks[4], total + sum(ticks)
+        return idle, total
+    try:
+        idle0, total0 = idle_and_total()
+        time.sleep(seconds)
+        idle1, total1 = idle_and_total()
+    except (OSError, ValueError, IndexError):
+        return len(cores), None
+    if total1 <= total0:
+        return len(cores), None
+    return len(cores), len(cores) * (idle1 - idle0) / (total1 - total0)
+
+
+def pick_threads(threads, device):
+    """Set torch's intra-op threads for a CPU run; returns what the start-up line says of them ("" on a GPU).
+    threads > 0 is taken as given; 0 keeps OMP_NUM_THREADS when it is set (torchrun sets 1 per process), else
+    takes torch's own count (the cores), or fewer when other work keeps some cores busy at the start
+    (free_cores, rounded, at least 1): a thread that waits for a core holds back every op it shares, as each
+    op's threads meet at its end. Threads change a run's last bits (the order of its sums): --threads pins it."""
+    if device.type != "cpu":
+        return ""
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise ConfigError(f"--threads={threads!r}: give a whole number >= 0 (0: the cores free at the start)")
+    plural = lambda n: f"{n} thread{'s' * (n > 1)}"  # noqa: E731
+    if threads:
+        torch.set_num_threads(threads)
+        return f"{plural(threads)} (--threads)"
+    own = torch.get_num_threads()
+    if os.environ.get("OMP_NUM_THREADS"):
+        return f"{plural(own)} (OMP_NUM_THREADS)"
+    cores, free = free_cores()
+    if free is None or int(free + 0.5) >= own:
+        return plural(own)
+    n = max(1, int(free + 0.5))
+    torch.set_num_threads(n)
+    return f"{plural(n)}: {free:.1f} of {cores} cores free at the start (--threads={own} takes {own})"
 
 
 # -----------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from guards import (Interrupted, RunKeeper, StopSignals, TrainingStopped, ZeroGr
 from model import GPT
 from plan import RunPlan
 from run_config import (DEFAULTS, EVAL_SEED, HELP_FROM, check_same_dataset, dataset_vocab, find_data, format_duration, get_batch,
-                        load_checkpoint, model_config, muon_settings, pick_device, save_checkpoint)
+                        load_checkpoint, model_config, muon_settings, pick_device, pick_threads, save_checkpoint)
 
 POSITIVE_KEYS = ("batch_size", "gradient_accumulation_steps", "eval_interval", "log_interval", "eval_iters")
 WANDB_NAMES = {"train_loss": "train/loss", "val_loss": "val/loss"}  # log.jsonl's names that wandb gets as nanoGPT's
@@ -65,7 +65,7 @@ class Trainer:
     def __init__(self, cfg, argv):
         self.cfg, self.argv = cfg, argv
         check_run_config(cfg)
-        self.ddp, self.rank, self.world, self.device, self.autocast = start_processes(cfg)
+        self.ddp, self.rank, self.world, self.device, self.autocast, self.threads = start_processes(cfg)
         self.master = self.rank == 0
         ckpt = self.find_inputs()
         self.plan_run()
@@ -215,7 +215,7 @@ class Trainer:
         if self.ddp:
             self.model = wrap_ddp(self.model, device, self.raw_model.unused_parameters)
         if self.master:
-            print_start(self.raw_model, self.optimizer, cfg, self.world, self.accum, self.tokens_per_iter)
+            print_start(self.raw_model, self.optimizer, cfg, self.world, self.accum, self.tokens_per_iter, self.threads)
 
     def restore(self, ckpt):
         """Resume: the weights, the optimizer (as it was saved), the grad scaler, the run so far (iteration,
@@ -653,11 +653,12 @@ def set_lr(optimizer, lr):
 # processes: DDP from torchrun's environment
 
 def start_processes(cfg):
-    """DDP from torchrun's environment, the device and precision: (ddp, rank, world, device, autocast); cfg
-    gets the device and dtype picked."""
+    """DDP from torchrun's environment, the device and precision, a CPU's threads: (ddp, rank, world, device,
+    autocast, what the start-up line says of the threads); cfg gets the device and dtype picked."""
     ddp = int(os.environ.get("RANK", -1)) != -1
     rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
     device, cfg["dtype"], autocast = pick_device(cfg["device"], cfg["dtype"])
+    threads = pick_threads(cfg["threads"], device)
     if ddp:
         if device.type == "cuda":
             device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}")
@@ -670,13 +671,15 @@ def start_processes(cfg):
     cfg["device"] = str(device)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
-    return ddp, rank, world, device, autocast
+    return ddp, rank, world, device, autocast, threads
 
 
-def print_start(model, optimizer, cfg, world, accum, tokens_per_iter):
-    """The start-up line: the model, the device, the batch; the optimizer under Muon; fp16 on a CPU warned."""
+def print_start(model, optimizer, cfg, world, accum, tokens_per_iter, threads=""):
+    """The start-up line: the model, the device (on a CPU, the threads: pick_threads), the batch; the optimizer
+    under Muon; fp16 on a CPU warned."""
     print(f"{model.describe()}, {model.get_num_params() / 1e6:.2f}M non-embedding params | "
-          f"{cfg['device']} {cfg['dtype']} | {world} process(es) x {accum} micro-steps x "
+          f"{cfg['device']} {cfg['dtype']}{', ' + threads if threads else ''} | "
+          f"{world} process(es) x {accum} micro-steps x "
           f"{cfg['batch_size']} x {cfg['block_size']} = {tokens_per_iter:,} tokens/iter")
     if cfg["optimizer"] == "muon":
         n = sum(p.numel() for p in optimizer.muon.param_groups[0]["params"])

@@ -11,6 +11,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# train.py's threads follow the load at its start (run_config.pick_threads), and threads change a run's last
+# bits: the suite pins them to torch's count (which OMP_NUM_THREADS, when set, already is), in process and in the
+# runs it starts, so that two runs of one test never differ by the load they met
+os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))

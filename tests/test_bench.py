@@ -4,7 +4,6 @@ import csv
 import io
 import re
 import statistics
-import subprocess
 import sys
 import time
 import types
@@ -164,18 +163,18 @@ def test_saved_activation_bytes_count_each_storage_once():
 
 def test_bench_quickstart_times_both_commands(capsys, monkeypatch):
     """--section=quickstart runs train.py and the nanoGPT-like baseline on the quickstart config in
-    interleaved pairs (who goes first alternates) and prints the median wall times, the ratio and each
-    run's final val loss. Here each command line bench builds really runs, in this process (train.cli,
+    interleaved pairs (who goes first alternates) and prints the median wall and CPU times, their ratios and
+    each run's final val loss. Here each command line bench builds really runs, in this process (train.cli,
     and bench.py's `baseline` dispatch to baseline_train) with 2 eval batches of 4 rows appended, and a
-    stubbed clock gives each run a known wall time: medians that differ from the means, so a table of
-    the means would show."""
+    stubbed run_timed gives each run known wall and CPU times: medians that differ from the means, so a
+    table of the means would show."""
     walls = {"train.py": [3.0, 9.0, 4.0], "bench.py": [2.0, 1.0, 5.0]}  # medians 4.0, 2.0; means 5.33, 2.67
-    clock, calls, final = [0.0], [], {"train.py": [], "bench.py": []}
+    cpus = {"train.py": [6.0, 1.0, 9.0], "bench.py": [4.0, 3.0, 2.0]}  # medians 6.0, 3.0
+    calls, final = [], {"train.py": [], "bench.py": []}
 
-    def run_in_process(cmd, cwd, capture_output, text):
-        assert cmd[0] == sys.executable and Path(cwd) == Path(bench.REPO) and capture_output and text
+    def run_in_process(cmd, cwd):
+        assert cmd[0] == sys.executable and Path(cwd) == Path(bench.REPO)
         script = cmd[1]
-        clock[0] += walls[script][len(final[script])]
         calls.append(cmd)
         argv = cmd[3:] if cmd[1:3] == ["bench.py", "baseline"] else cmd[2:]
         out = io.StringIO()
@@ -185,18 +184,18 @@ def test_bench_quickstart_times_both_commands(capsys, monkeypatch):
         evals = re.findall(r"^step (\d+): train loss [\d.]+, val loss ([\d.]+)$", out.getvalue(), re.M)
         assert evals[0][0] == "0" and evals[-1][0] == "3", out.getvalue()
         final[script].append(float(evals[-1][1]))
-        return subprocess.CompletedProcess(cmd, 0, out.getvalue(), "")
-    monkeypatch.setattr(bench, "subprocess", types.SimpleNamespace(run=run_in_process))
-    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock[0], time=time.time))
+        k = len(final[script]) - 1
+        return walls[script][k], cpus[script][k], out.getvalue(), [(1.0 + float(s), float(v)) for s, v in evals]
+    monkeypatch.setattr(bench, "run_timed", run_in_process)
     result = bench.bench_quickstart(pairs=3, max_iters=3)
     out = capsys.readouterr().out
     # the commands: the quickstart config cut to 3 iterations, the LR schedule too, each run its own out_dir
     assert [c[1] for c in calls] == ["train.py", "bench.py", "bench.py", "train.py", "train.py", "bench.py"]
+    assert len({c[-1] for c in calls}) == 6 and all(c[-1].startswith("--out_dir=") for c in calls)
     for c in calls:  # train.py without its final eval on the whole val split: the baseline has none
-        assert (c[-1] == "--final_eval_tokens=0") == (c[1] == "train.py")
-        c[:] = c[:-1] if c[1] == "train.py" else c
-        assert c[-4:-1] == [bench.QUICKSTART, "--max_iters=3", "--lr_decay_iters=3"] and c[-1].startswith("--out_dir=")
-    assert len({c[-1] for c in calls}) == 6
+        assert (c[-2] == "--final_eval_tokens=0") == (c[1] == "train.py")
+        c[:] = c[:-2] if c[1] == "train.py" else c[:-1]
+        assert c[-3:] == [bench.QUICKSTART, "--max_iters=3", "--lr_decay_iters=3"]
     (ours, ours_loss), (base, base_loss) = result.values()
     assert (ours, base) == (4.0, 2.0)
     assert (ours_loss, base_loss) == (final["train.py"], final["bench.py"])  # each run's last val loss
@@ -205,8 +204,80 @@ def test_bench_quickstart_times_both_commands(capsys, monkeypatch):
     assert [r[0].strip() for r in rows] == list(result)
     assert [r[1].strip() for r in rows] == ["4.0", "2.0"]
     assert rows[0][2].strip() == "2.00x" and rows[1][2].strip() == "1.00x"
-    assert rows[0][3].strip() == " ".join(f"{x:.4f}" for x in ours_loss)
-    assert rows[1][3].strip() == " ".join(f"{x:.4f}" for x in base_loss)
+    assert [r[3].strip() for r in rows] == ["6.0", "3.0"] and rows[0][4].strip() == "2.00x"
+    assert rows[0][5].strip() == " ".join(f"{x:.4f}" for x in ours_loss)
+    assert rows[1][5].strip() == " ".join(f"{x:.4f}" for x in base_loss)
+
+
+@pytest.fixture
+def nanogpt_dir(tmp_path):
+    """A stand-in nanoGPT checkout: the files bench checks for."""
+    (tmp_path / "config").mkdir()
+    (tmp_path / "data" / "shakespeare_char").mkdir(parents=True)
+    for name in ("train.py", "config/train_shakespeare_char.py", "data/shakespeare_char/train.bin",
+                 "data/shakespeare_char/val.bin", "data/shakespeare_char/meta.pkl"):
+        (tmp_path / name).write_text("")
+    return tmp_path
+
+
+def test_bench_quickstart_against_nanogpt_itself(capsys, monkeypatch, nanogpt_dir):
+    """--nanogpt=DIR: nanoGPT's own train.py in DIR at the quickstart's recipe against ours as the README runs
+    it (final eval included), interleaved; the time to nanoGPT's last val loss is when the first of our evals
+    at or below the median of nanoGPT's last val losses was printed, against nanoGPT's median wall."""
+    # nanoGPT's last val losses 2.30, 2.50, 2.40 (median 2.40); our evals (seconds, val loss) per run
+    ours_evals = [[(3.0, 4.2), (9.0, 2.45), (14.0, 2.2)], [(3.0, 4.2), (8.0, 2.39), (13.0, 2.2)],
+                  [(3.0, 4.2), (7.0, 2.40), (12.0, 2.2)]]  # reached at 14, 8, 7 s: median 8
+    nano = iter([(20.0, 10.0, 2.30), (30.0, 12.0, 2.50), (25.0, 11.0, 2.40)])
+    ours = iter([(18.0, 9.0), (22.0, 13.0), (19.0, 10.0)])
+    calls = []
+
+    def fake(cmd, cwd):
+        calls.append((cmd, cwd))
+        if cmd[1] == "train.py" and Path(cwd) == Path(bench.REPO):
+            wall, cpu = next(ours)
+            return wall, cpu, "", ours_evals[sum(c[1] == cwd for c in calls) - 1]
+        wall, cpu, last = next(nano)
+        return wall, cpu, "", [(2.0, 4.16), (wall - 1, last)]
+    monkeypatch.setattr(bench, "run_timed", fake)
+    result = bench.bench_quickstart(pairs=3, max_iters=600, nanogpt=str(nanogpt_dir))
+    out = capsys.readouterr().out
+    peer = [c for c in calls if Path(c[1]) == nanogpt_dir]
+    assert len(peer) == 3 and [Path(c[1]) for c in calls][:2] == [Path(bench.REPO), nanogpt_dir]
+    for cmd, _ in peer:  # nanoGPT's own command, cut as ours is
+        assert cmd[1:-1] == [*bench.NANOGPT_ARGS, "--max_iters=600", "--lr_decay_iters=600"]
+        assert cmd[-1].startswith("--out_dir=")
+    for cmd, cwd in calls:
+        if Path(cwd) == Path(bench.REPO):  # ours as the README runs it: its final eval is not switched off
+            assert cmd[1:4] == ["train.py", bench.QUICKSTART, "--max_iters=600"]
+            assert not any(a.startswith("--final_eval_tokens") for a in cmd)
+    (ours_wall, _), (peer_wall, peer_losses) = result.values()
+    assert (ours_wall, peer_wall) == (19.0, 25.0) and peer_losses == [2.30, 2.50, 2.40]
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "command" not in line]
+    assert rows[0][2].strip() == "0.76x" and rows[0][4].strip() == "0.91x"  # 19 / 25 wall; 10 / 11 CPU
+    assert "time to the peer's last val loss (2.4000): at most 8.0 s" in out and "0.32x the peer's wall" in out
+
+
+def test_bench_quickstart_names_the_fix_for_a_bad_nanogpt_dir(tmp_path, nanogpt_dir):
+    with pytest.raises(ConfigError, match="not a nanoGPT checkout.*git clone https://github.com/karpathy/nanoGPT"):
+        bench.nanogpt_checkout(str(tmp_path / "nothing"))
+    assert bench.nanogpt_checkout(str(nanogpt_dir / ".." / nanogpt_dir.name)) == str(nanogpt_dir)
+    (nanogpt_dir / "data" / "shakespeare_char" / "val.bin").unlink()
+    with pytest.raises(ConfigError, match=r"not prepared.*cp .*input.txt .* && python .*prepare.py"):
+        bench.nanogpt_checkout(str(nanogpt_dir))
+
+
+def test_run_timed_stamps_each_eval_line_and_counts_the_childs_cpu():
+    """run_timed reads the child's output as it comes (unbuffered): each eval line gets the time it was printed,
+    and the CPU time is the child's own (a busy loop of about 0.4 s), not the parent's."""
+    script = ("import time\nprint('step 0: train loss 4.0, val loss 4.1000')\nt = time.process_time()\n"
+              "while time.process_time() - t < 0.4: pass\nprint('step 250: train loss 2.0, val loss 2.2500')\n"
+              "time.sleep(0.3)\nprint('done')")
+    wall, cpu, out, evals = bench.run_timed([sys.executable, "-c", script], bench.REPO)
+    assert [v for _, v in evals] == [4.1, 2.25] and out.endswith("done\n")
+    assert evals[1][0] - evals[0][0] >= 0.35 and wall - evals[1][0] >= 0.25  # stamped when printed
+    assert 0.35 <= cpu < wall
+    with pytest.raises(RuntimeError, match=r"failed \(exit 3\):\n.*boom"):
+        bench.run_timed([sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], bench.REPO)
 
 
 # known per-pair times and routed skipped fractions for --section=sample with time_generate stubbed:

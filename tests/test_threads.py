@@ -1,0 +1,65 @@
+"""train.py's CPU threads (run_config.pick_threads): torch's own count on idle cores, fewer when other work
+keeps cores busy at the start, what the user pins kept."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import run_config
+from configurator import ConfigError
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def threads(monkeypatch):
+    """torch's threads restored after the test; OMP_NUM_THREADS unset inside it (the suite pins it)."""
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("free, chosen", [(2.0, 2), (1.6, 2), (1.4, 1), (0.9, 1), (0.0, 1)])
+def test_the_threads_follow_the_free_cores(threads, monkeypatch, free, chosen):
+    """Rounded to the nearest whole core, at least 1, never more than torch's own count."""
+    monkeypatch.setattr(run_config, "free_cores", lambda: (2, free))
+    line = run_config.pick_threads(0, CPU)
+    assert torch.get_num_threads() == chosen
+    if chosen == 2:
+        assert line == "2 threads"
+    else:  # the start-up line says why, and how to take every core
+        assert line == f"1 thread: {free:.1f} of 2 cores free at the start (--threads=2 takes 2)"
+
+
+def test_what_the_user_pins_is_kept(threads, monkeypatch):
+    monkeypatch.setattr(run_config, "free_cores", lambda: (2, 0.2))  # a busy machine
+    assert run_config.pick_threads(3, CPU) == "3 threads (--threads)" and torch.get_num_threads() == 3
+    torch.set_num_threads(2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert run_config.pick_threads(0, CPU) == "2 threads (OMP_NUM_THREADS)" and torch.get_num_threads() == 2
+    monkeypatch.setattr(run_config, "free_cores", lambda: pytest.fail("a GPU run reads no load"))
+    assert run_config.pick_threads(0, torch.device("cuda")) == "" and torch.get_num_threads() == 2
+    with pytest.raises(ConfigError, match=r"--threads=-1: give a whole number >= 0"):
+        run_config.pick_threads(-1, CPU)
+
+
+def test_free_cores_sees_a_busy_core():
+    """A process spinning on one core leaves at most cores - 1/2 free; /proc/stat is read for this
+    process's own cores."""
+    cores, free = run_config.free_cores()
+    if free is None or cores < 2:
+        pytest.skip("needs /proc/stat and 2 cores")
+    assert cores == len(os.sched_getaffinity(0)) and 0.0 <= free <= cores + 0.05
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 3: pass"])
+    try:
+        time.sleep(0.3)  # the spinner is running
+        _, busy = run_config.free_cores(seconds=0.3)
+    finally:
+        spin.kill()
+        spin.wait()
+    assert busy < cores - 0.5
