@@ -738,7 +738,6 @@ def leave_process_group(barrier=True):
 # -----------------------------------------------------------------------------
 # evals: the losses of each eval iteration, and the run's final eval
 
-@torch.no_grad()
 def executed_fractions(stats, model, eval_iters, iter_num):
     """MoD's executed fraction per sublayer, log.jsonl's exec_train and exec_eval (None: none yet), their
     means printed: the mean over the training micro-steps since the last eval, and eval routing
@@ -750,6 +749,7 @@ def executed_fractions(stats, model, eval_iters, iter_num):
     return {f"exec_{k}": None if frac is None else [round(x, 4) for x in frac] for k, frac in fracs.items()}
 
 
+@torch.no_grad()
 def estimate_loss(model, paths, cfg, device, autocast, stopped, progress):
     """Mean loss on eval_iters fixed batches (seed EVAL_SEED) of each split, in eval mode; None when stopped()
     (a stop signal): it is checked between batches, so an eval (an hour for a GPU-sized model on a CPU) never
