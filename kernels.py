@@ -689,9 +689,12 @@ def depth_attention_fwd_torch(sources: list[Tensor], query: Tensor, norm_weight:
         z = dots * rho
         lse = torch.logsumexp(z, dim=0)
         w = torch.exp(z - lse).unsqueeze(-1)
-        mix = sources[0] * w[0]  # fp32: the weighted sum accumulates in fp32, one source at a time
-        for v, w_s in zip(sources[1:], w.unbind(0)[1:]):
-            mix = torch.addcmul(mix, v, w_s)  # not in place: DepthAttentionTorch returns it (see cast)
+        mix = sources[0] * w[0]  # fp32: the weighted sum accumulates in fp32, one source at a time,
+        for s in range(1, len(sources)):  # in one buffer, not a new [..., d] per source
+            if s < len(sources) - 1:
+                torch.addcmul(mix, sources[s], w[s], out=mix)  # in place (out=: the FLOP count sees an addcmul)
+            else:  # the last not in place: DepthAttentionTorch returns it (see cast)
+                mix = torch.addcmul(mix, sources[s], w[s])
         return cast(mix, sources[0].dtype), lse
 
 
@@ -1238,36 +1241,49 @@ def mhc_pre_mix(x, proj, scale, base, norm_eps=1e-6, pre_eps=1e-6, post_mult=1.0
 
 
 def _sinkhorn_steps(logits, repeat, eps):
-    """The forward's iterates, computed with the matrix axes first ([n, n, ...]: every sum over an
-    axis adds whole rows of tokens, several times faster on a CPU than sums over the last axes):
-    ([(z, axis), ...], each z before it is divided by its sums over axis (0: columns, 1: rows); the
-    output). fp32 (fp64 stays fp64)."""
-    z = torch.softmax(upcast(logits).movedim((-2, -1), (0, 1)), dim=1) + eps
+    """The forward's iterates, computed on [n, n, M] (M: the rows): the matrix axes first, so that every
+    sum over an axis adds whole rows of tokens (several times faster on a CPU than sums over the last
+    axes), and the rows in one contiguous axis, so that each op is a single pass with one broadcast.
+    ([(z, denominator, axis), ...], each z before it is divided by its denominator, its sums over axis
+    (0: columns, 1: rows) plus eps; the output). fp32 (fp64 stays fp64). eps is one 0-d tensor: a Python
+    float is wrapped into a new tensor at every op, which costs more than the op at these sizes."""
+    n = logits.shape[-1]
+    z = torch.softmax(upcast(logits).reshape(-1, n, n).movedim(0, -1), dim=1)  # a contiguous [n, n, M]
+    eps = z.new_full((), eps)
+    z = z + eps
     steps = []
     for axis in (0,) + (1, 0) * (repeat - 1):
-        steps.append((z, axis))
-        z = z / (z.sum(axis, keepdim=True) + eps)
+        denom = z.sum(axis, keepdim=True).add_(eps)
+        steps.append((z, denom, axis))
+        z = z / denom
     return steps, z
+
+
+def _sinkhorn_rows(h, like):
+    """An [n, n, M] iterate (or gradient) back as a contiguous tensor of like's shape [..., n, n] (a copy
+    made last: the autograd.Function returns it, see cast)."""
+    return h.view(*h.shape[:2], *like.shape[:-2]).movedim((0, 1), (-2, -1)).contiguous()
 
 
 @sinkhorn_op.register_kernel("cpu")
 def sinkhorn_fwd_torch(logits: Tensor, repeat: int, eps: float) -> Tensor:
     """H [..., n, n] fp32, contiguous: columns sum to 1 (the last step), rows to 1 within the iterations' error."""
     with fp32_math(logits):
-        return _sinkhorn_steps(logits, repeat, eps)[1].movedim((0, 1), (-2, -1)).contiguous()
+        return _sinkhorn_rows(_sinkhorn_steps(logits, repeat, eps)[1], logits)
 
 
 @sinkhorn_backward_op.register_kernel("cpu")
 def sinkhorn_bwd_torch(logits: Tensor, grad: Tensor, repeat: int, eps: float) -> Tensor:
-    """grad logits, fp32: the iterates recomputed, then each step back, last to first."""
+    """grad logits, fp32: the iterates (and their denominators) recomputed, then each step back, last to first."""
     with fp32_math(logits):
         steps, _ = _sinkhorn_steps(logits, repeat, eps)
-        g = upcast(grad).movedim((-2, -1), (0, 1))
-        for z, axis in reversed(steps):  # y = z / (S + eps), S = sum_axis z: dz = (g - sum_axis(g y)) / (S + eps)
-            denom = z.sum(axis, keepdim=True) + eps
-            g = (g - (g * z).sum(axis, keepdim=True) / denom) / denom
+        n = logits.shape[-1]
+        g = upcast(grad).reshape(-1, n, n).movedim(0, -1).contiguous()
+        for z, denom, axis in reversed(steps):
+            # y = z / denom, denom = sum_axis z + eps: dz = (g - sum_axis(g z) / denom) / denom
+            g = torch.addcdiv(g, (g * z).sum(axis, keepdim=True), denom, value=-1).div_(denom)
         p = steps[0][0] - eps  # the softmax
-        return (p * (g - (g * p).sum(1, keepdim=True))).movedim((0, 1), (-2, -1)).contiguous()
+        return _sinkhorn_rows(p * (g - (g * p).sum(1, keepdim=True)), logits)
 
 
 class SinkhornTorch(torch.autograd.Function):
