@@ -31,11 +31,12 @@ step time, peak memory (GPU) and the bytes saved for backward, as ratios to pren
 torch.compile's backend (inductor; aot_eager compiles in seconds, for a quick check).
 quickstart (not part of "all": whole training runs): `python train.py config/shakespeare_char_cpu.py`
 against a peer on the same recipe, both cut to --max_iters, as whole processes in --pairs interleaved pairs:
-median wall and CPU times, their ratios, each run's last val loss, and the time our run took to reach the
-peer's last val loss. The peer: nanoGPT itself with --nanogpt=DIR (a checkout: git clone
-https://github.com/karpathy/nanoGPT DIR; its data prepared from our text, as the error says; NANOGPT_ARGS
-is its command), or by default `python bench.py baseline config/shakespeare_char_cpu.py` (nanoGPT's model
-and loop on the same config, in this repo; see baseline_train; ours then runs without its final eval).
+median wall and CPU times, their ratios, each run's last val loss, and the time our run takes to reach the
+peer's last val loss (a third run per pair, evaluated every 25 iterations and stopped there). The peer:
+nanoGPT itself with --nanogpt=DIR (a checkout: git clone https://github.com/karpathy/nanoGPT DIR; its data
+prepared from our text, as the error says; NANOGPT_ARGS is its command), or by default
+`python bench.py baseline config/shakespeare_char_cpu.py` (nanoGPT's model and loop on the same config, in
+this repo; see baseline_train; ours then runs without its final eval).
 sample (not part of "all"): tokens/s of generate() with the KV cache, one batch-1 sequence, for the
 same mod=nag model run dense (thresholds off), with its eval routing, and with every sublayer skipped
 (what a token costs that no sublayer can save: embedding, the scores, head, sampling), in --pairs
@@ -547,9 +548,10 @@ def nanogpt_checkout(path):
     return path
 
 
-def run_timed(cmd, cwd):
+def run_timed(cmd, cwd, stop_below=None):
     """Run cmd (unbuffered output) to its end: (wall seconds, CPU seconds of the process, its stdout, [(seconds
-    since its start, val loss)] of each eval line as it was printed). A failed run raises with its output's end."""
+    since its start, val loss)] of each eval line as it was printed). stop_below: the run is stopped (killed) at
+    its first eval at or below this val loss. A failed run raises with its output's end."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -559,12 +561,19 @@ def run_timed(cmd, cwd):
         found = EVAL_LINE.match(line)
         if found:
             evals.append((time.perf_counter() - t0, float(found.group(2))))
+            if stop_below is not None and evals[-1][1] <= stop_below:
+                proc.kill()
+                break
     _, status, usage = os.wait4(proc.pid, 0)
     wall, out = time.perf_counter() - t0, "".join(lines)
+    proc.stdout.close()
     proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
+    if proc.returncode != 0 and not (stop_below is not None and evals and evals[-1][1] <= stop_below):
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{out[-2000:]}")
     return wall, usage.ru_utime + usage.ru_stime, out, evals
+
+
+TO_LOSS_EVALS = 25  # the time to the peer's loss: our run with an eval every this many iterations
 
 
 def bench_quickstart(pairs, max_iters, config=QUICKSTART, nanogpt=""):
@@ -573,9 +582,10 @@ def bench_quickstart(pairs, max_iters, config=QUICKSTART, nanogpt=""):
     first alternates): the median of each, their ratio, the CPU time's ratio, each run's last val loss. The peer:
     nanoGPT itself (nanogpt: a checkout's path; ours then runs as the README's command does, its final eval
     included), or `bench.py baseline` (nanoGPT's model and loop in this repo; ours without its final eval,
-    which the baseline has not). Also the time to the peer's last val loss: when the first of our eval lines
-    at or below the peer's median last val loss was printed (an upper bound: evals are eval_interval apart),
-    against the peer's median wall. Returns {name: (median seconds, [last val losses])}."""
+    which the baseline has not). Then, after each pair, the time to the peer's last val loss: ours again, with an
+    eval every TO_LOSS_EVALS iterations (more evals only add time: an upper bound), stopped at its first eval at
+    or below the pair's peer run's last val loss; the median against the peer's median wall.
+    Returns {name: (median seconds, [last val losses])}."""
     peer = "nanoGPT itself" if nanogpt else "the nanoGPT-like baseline"
     print(f"\n## quickstart: python train.py {config} --max_iters={max_iters} vs {peer}, "
           f"{pairs} interleaved pair(s), {os.cpu_count()} cores")
@@ -588,33 +598,36 @@ def bench_quickstart(pairs, max_iters, config=QUICKSTART, nanogpt=""):
     else:
         runs = {"train.py (nanodepth prenorm)": (["train.py", config, *cut, "--final_eval_tokens=0"], REPO),
                 "baseline (nanoGPT model and loop)": (["bench.py", "baseline", config, *cut], REPO)}
-    walls, cpus, losses, evals = ({name: [] for name in runs} for _ in range(4))
+    ours, base = list(runs)
+    walls, cpus, losses = ({name: [] for name in runs} for _ in range(3))
+    reached = []  # per pair: seconds until our finely evaluated run reached the peer's last val loss (None: never)
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(pairs):
             for name, (args, cwd) in (list(runs.items()) if i % 2 == 0 else list(runs.items())[::-1]):
-                out_dir = os.path.join(tmp, f"{len(walls[name])}-{list(runs).index(name)}")
+                out_dir = os.path.join(tmp, f"{i}-{list(runs).index(name)}")
                 wall, cpu, _, seen = run_timed([sys.executable, *args, f"--out_dir={out_dir}"], cwd)
                 if not seen:
                     raise RuntimeError(f"{' '.join(args)} printed no eval line ('step N: ... val loss X')")
                 walls[name].append(wall)
                 cpus[name].append(cpu)
                 losses[name].append(seen[-1][1])
-                evals[name].append(seen)
+            fine = [sys.executable, "train.py", config, *cut, f"--eval_interval={TO_LOSS_EVALS}", "--final_eval_tokens=0",
+                    f"--out_dir={os.path.join(tmp, f'{i}-to-loss')}"]
+            _, _, _, seen = run_timed(fine, REPO, stop_below=losses[base][-1])
+            reached.append(next((t for t, v in seen if v <= losses[base][-1]), None))
     median = {name: statistics.median(w) for name, w in walls.items()}
-    ours, base = list(runs)
     print("| command | median wall s | vs the peer | median CPU s | vs the peer | last val loss |")
     print("|---|---|---|---|---|---|")
     for name in runs:
         cpu = statistics.median(cpus[name])
         print(f"| {name} | {median[name]:.1f} | {median[name] / median[base]:.2f}x | {cpu:.1f} "
               f"| {cpu / statistics.median(cpus[base]):.2f}x | {' '.join(f'{x:.4f}' for x in losses[name])} |")
-    target = statistics.median(losses[base])
-    reached = [next((t for t, v in seen if v <= target), None) for seen in evals[ours]]
     if None in reached:
-        print(f"time to the peer's last val loss ({target:.4f}): not reached by {reached.count(None)} of our runs")
+        print(f"time to the peer's last val loss: not reached by {reached.count(None)} of our {pairs} runs")
     else:
-        print(f"time to the peer's last val loss ({target:.4f}): at most {statistics.median(reached):.1f} s "
-              f"(the first of our evals at or below it), {statistics.median(reached) / median[base]:.2f}x the peer's wall")
+        print(f"time to the peer's last val loss ({statistics.median(losses[base]):.4f}): at most "
+              f"{statistics.median(reached):.1f} s, {statistics.median(reached) / median[base]:.2f}x the peer's wall "
+              f"(our run with an eval every {TO_LOSS_EVALS} iterations, to its first eval at or below it)")
     return {name: (median[name], losses[name]) for name in runs}
 
 

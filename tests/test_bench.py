@@ -172,8 +172,14 @@ def test_bench_quickstart_times_both_commands(capsys, monkeypatch):
     cpus = {"train.py": [6.0, 1.0, 9.0], "bench.py": [4.0, 3.0, 2.0]}  # medians 6.0, 3.0
     calls, final = [], {"train.py": [], "bench.py": []}
 
-    def run_in_process(cmd, cwd):
+    fine = []
+
+    def run_in_process(cmd, cwd, stop_below=None):
         assert cmd[0] == sys.executable and Path(cwd) == Path(bench.REPO)
+        if stop_below is not None:  # the time-to-loss run: its first eval at or below the pair's baseline loss
+            assert stop_below == final["bench.py"][-1] and f"--eval_interval={bench.TO_LOSS_EVALS}" in cmd
+            fine.append(cmd)
+            return 99.0, 99.0, "", [(5.0, 4.3), (7.0 + len(fine), stop_below)]
         script = cmd[1]
         calls.append(cmd)
         argv = cmd[3:] if cmd[1:3] == ["bench.py", "baseline"] else cmd[2:]
@@ -207,6 +213,7 @@ def test_bench_quickstart_times_both_commands(capsys, monkeypatch):
     assert [r[3].strip() for r in rows] == ["6.0", "3.0"] and rows[0][4].strip() == "2.00x"
     assert rows[0][5].strip() == " ".join(f"{x:.4f}" for x in ours_loss)
     assert rows[1][5].strip() == " ".join(f"{x:.4f}" for x in base_loss)
+    assert len(fine) == 3 and "at most 9.0 s, 4.50x the peer's wall" in out  # reached at 8, 9, 10 s: median 9
 
 
 @pytest.fixture
@@ -222,39 +229,43 @@ def nanogpt_dir(tmp_path):
 
 def test_bench_quickstart_against_nanogpt_itself(capsys, monkeypatch, nanogpt_dir):
     """--nanogpt=DIR: nanoGPT's own train.py in DIR at the quickstart's recipe against ours as the README runs
-    it (final eval included), interleaved; the time to nanoGPT's last val loss is when the first of our evals
-    at or below the median of nanoGPT's last val losses was printed, against nanoGPT's median wall."""
-    # nanoGPT's last val losses 2.30, 2.50, 2.40 (median 2.40); our evals (seconds, val loss) per run
-    ours_evals = [[(3.0, 4.2), (9.0, 2.45), (14.0, 2.2)], [(3.0, 4.2), (8.0, 2.39), (13.0, 2.2)],
-                  [(3.0, 4.2), (7.0, 2.40), (12.0, 2.2)]]  # reached at 14, 8, 7 s: median 8
-    nano = iter([(20.0, 10.0, 2.30), (30.0, 12.0, 2.50), (25.0, 11.0, 2.40)])
+    it (final eval included), interleaved; after each pair, ours again with an eval every TO_LOSS_EVALS
+    iterations, stopped at its first eval at or below that pair's nanoGPT last val loss: the median of those
+    times against nanoGPT's median wall."""
+    nano = iter([(20.0, 10.0, 2.30), (30.0, 12.0, 2.50), (25.0, 11.0, 2.40)])  # wall, CPU, last val loss
     ours = iter([(18.0, 9.0), (22.0, 13.0), (19.0, 10.0)])
+    to_loss = iter([14.0, 8.0, 7.0])  # median 8
     calls = []
 
-    def fake(cmd, cwd):
-        calls.append((cmd, cwd))
-        if cmd[1] == "train.py" and Path(cwd) == Path(bench.REPO):
+    def fake(cmd, cwd, stop_below=None):
+        calls.append((cmd, cwd, stop_below))
+        if stop_below is not None:
+            return 99.0, 99.0, "", [(3.0, 4.2), (next(to_loss), stop_below - 0.01)]
+        if Path(cwd) == Path(bench.REPO):
             wall, cpu = next(ours)
-            return wall, cpu, "", ours_evals[sum(c[1] == cwd for c in calls) - 1]
+            return wall, cpu, "", [(3.0, 4.2), (wall - 1, 2.0)]
         wall, cpu, last = next(nano)
         return wall, cpu, "", [(2.0, 4.16), (wall - 1, last)]
     monkeypatch.setattr(bench, "run_timed", fake)
     result = bench.bench_quickstart(pairs=3, max_iters=600, nanogpt=str(nanogpt_dir))
     out = capsys.readouterr().out
-    peer = [c for c in calls if Path(c[1]) == nanogpt_dir]
-    assert len(peer) == 3 and [Path(c[1]) for c in calls][:2] == [Path(bench.REPO), nanogpt_dir]
-    for cmd, _ in peer:  # nanoGPT's own command, cut as ours is
-        assert cmd[1:-1] == [*bench.NANOGPT_ARGS, "--max_iters=600", "--lr_decay_iters=600"]
+    kinds = ["ours" if Path(c[1]) == Path(bench.REPO) and c[2] is None else "peer" if c[2] is None else "to-loss"
+             for c in calls]
+    assert kinds == ["ours", "peer", "to-loss", "peer", "ours", "to-loss", "ours", "peer", "to-loss"]
+    for (cmd, cwd, stop), kind in zip(calls, kinds):
         assert cmd[-1].startswith("--out_dir=")
-    for cmd, cwd in calls:
-        if Path(cwd) == Path(bench.REPO):  # ours as the README runs it: its final eval is not switched off
+        if kind == "peer":  # nanoGPT's own command, cut as ours is
+            assert Path(cwd) == nanogpt_dir and cmd[1:-1] == [*bench.NANOGPT_ARGS, "--max_iters=600", "--lr_decay_iters=600"]
+        else:  # ours as the README runs it: its final eval is not switched off, but in the time-to-loss run
             assert cmd[1:4] == ["train.py", bench.QUICKSTART, "--max_iters=600"]
-            assert not any(a.startswith("--final_eval_tokens") for a in cmd)
+            assert any(a.startswith("--final_eval_tokens") for a in cmd) == (kind == "to-loss")
+    # each time-to-loss run stops at its own pair's nanoGPT loss
+    assert [c[2] for c in calls if c[2] is not None] == [2.30, 2.50, 2.40]
     (ours_wall, _), (peer_wall, peer_losses) = result.values()
     assert (ours_wall, peer_wall) == (19.0, 25.0) and peer_losses == [2.30, 2.50, 2.40]
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "command" not in line]
     assert rows[0][2].strip() == "0.76x" and rows[0][4].strip() == "0.91x"  # 19 / 25 wall; 10 / 11 CPU
-    assert "time to the peer's last val loss (2.4000): at most 8.0 s" in out and "0.32x the peer's wall" in out
+    assert "time to the peer's last val loss (2.4000): at most 8.0 s, 0.32x the peer's wall" in out
 
 
 def test_bench_quickstart_names_the_fix_for_a_bad_nanogpt_dir(tmp_path, nanogpt_dir):
@@ -276,6 +287,9 @@ def test_run_timed_stamps_each_eval_line_and_counts_the_childs_cpu():
     assert [v for _, v in evals] == [4.1, 2.25] and out.endswith("done\n")
     assert evals[1][0] - evals[0][0] >= 0.35 and wall - evals[1][0] >= 0.25  # stamped when printed
     assert 0.35 <= cpu < wall
+    # stopped at the first eval at or below 2.5: killed there, no error, nothing after it read
+    wall, _, out, evals = bench.run_timed([sys.executable, "-c", script], bench.REPO, stop_below=2.5)
+    assert [v for _, v in evals] == [4.1, 2.25] and "done" not in out and wall < evals[1][0] + 0.25
     with pytest.raises(RuntimeError, match=r"failed \(exit 3\):\n.*boom"):
         bench.run_timed([sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], bench.REPO)
 
