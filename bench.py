@@ -12,8 +12,9 @@ Benchmarks that print figures (speed targets are checked here, not in timed test
     python bench.py --section=steps --sweep=config/<sweep>.py  # each cell's step time vs its baseline's
     python bench.py --section=gpu        # every GPU figure in one command (8 minutes): docs/results.md
 
-kernels: forward and forward+backward time of each of the six kernels (rms_norm, nag_update,
-depth_attention, and hc/mhc's mhc_pre_mix, sinkhorn and hc_post_mix, at n = 4 streams), and the
+kernels: forward and forward+backward time of each of the seven kernels (rms_norm, nag_update,
+depth_attention, hc/mhc's mhc_pre_mix, sinkhorn and hc_post_mix, at n = 4 streams, and dense_mix, as dwa
+and as mudd calls it), and the
 achieved bandwidth: the bytes a fused kernel must move at least (each input read once, each output
 written once) divided by the time. On a GPU compare it with the copy bandwidth printed first.
 Every figure is a median over --reps repeats; when the repeats of a measurement spread by more than
@@ -210,6 +211,13 @@ def kernel_cases(device, dtype, shape=None, sinkhorn_repeat=None):
         # the gradients of all four
         ("hc_post_mix", post_args, *impls(kernels.hc_post_mix), M * ((2 * n * d + d) * b + (n + n * n) * c),
          M * ((3 * n * d + 2 * d) * b + 2 * (n + n * n) * c)),
+        # dense_mix over S sources where they lie: dwa's weights [S] (reads the sources, writes the mix; the
+        # backward reads the mix's gradient and the sources, writes their gradients), then mudd's [M, 4, S]
+        # per token (4 ways out; the weights and their gradient per token too)
+        ("dense_mix_dwa", [make(*[(M, d)] * S), *make((S,), scale=S ** -0.5)], *impls(kernels.dense_mix),
+         (S + 1) * M * d * b, (2 * S + 1) * M * d * b),
+        ("dense_mix_mudd", [make(*[(M, d)] * S), *make((M, 4, S), scale=S ** -0.5)], *impls(kernels.dense_mix),
+         M * ((S + 4) * d + 4 * S) * b, M * ((2 * S + 4) * d + 8 * S) * b),
     ]
 
 

@@ -1,6 +1,6 @@
 """
-Fused kernels for nanodepth's memory-bound row-wise operations, one section each (the last three
-ops share section 4-6):
+Fused kernels for nanodepth's memory-bound row-wise operations, one section each (the three
+hyper-connection ops share section 4-6):
 
     rms_norm(x, weight=None, eps=1e-6)                 y = x / rms(x) * weight
     nag_update(r, u, a, eps=1e-6) -> (r_new, log_gain)  the NAG write-back (model.py's NAG.write)
@@ -11,6 +11,9 @@ ops share section 4-6):
     sinkhorn(logits, repeat=10, eps=1e-6) -> H          Sinkhorn-Knopp, every iteration in one kernel
     hc_post_mix(x, out, h_post, h_res) -> X'            the hyper-connection write:
                                                        X'_j = sum_m h_res[m, j] X_m + h_post[j] out
+    dense_mix(sources, weights) -> out                 DenseFormer's DWA and MUDDFormer's ways: weights [S]:
+                                                       out = sum_s w[s] x_s [..., d]; weights [..., C, S]:
+                                                       out [..., C, d], out_c = sum_s w[c, s] x_s
 
 Each section reads top to bottom, in the order of Triton's fused layer-norm tutorial: the Triton
 forward kernel, the Triton backward kernel and their launchers; the custom op that wraps them; the
@@ -20,11 +23,11 @@ One reference per kernel: a forward and a backward function in plain PyTorch wit
 signatures and outputs (rms_norm_fwd_torch and rms_norm_bwd_torch, ...), the kernels' arithmetic
 written with tensor ops. They are the custom op's CPU implementation; wrapped in the section's
 autograd.Function (RMSNormTorch, NAGUpdateTorch, DepthAttentionTorch, MHCPreMixTorch, SinkhornTorch,
-HCPostMixTorch) they are the impl="torch" path; and tests/test_kernels.py measures the Triton
+HCPostMixTorch, DenseMixTorch) they are the impl="torch" path; and tests/test_kernels.py measures the Triton
 kernels against them.
 
 Custom ops. Each kernel is a PyTorch custom op (`torch.ops.nanodepth.rms_norm`, `.nag_update`,
-`.depth_attention`, `.mhc_pre_mix`, `.sinkhorn`, `.hc_post_mix`), and so is its backward
+`.depth_attention`, `.mhc_pre_mix`, `.sinkhorn`, `.hc_post_mix`, `.dense_mix`), and so is its backward
 (`.rms_norm_backward`, ...), registered with `torch.library.custom_op` + `register_fake` +
 `register_autograd`. torch.compile sees one opaque
 node per op in the forward graph and one in the backward graph, instead of tracing into (or
@@ -1365,3 +1368,204 @@ def hc_post_mix(x, out, h_post, h_res, impl="auto"):
     if use_triton(impl, x):
         return hc_post_mix_op(x, out, h_post, h_res)
     return HCPostMixTorch.apply(x, out, h_post, h_res)
+
+
+# -----------------------------------------------------------------------------
+# 7. dense_mix: S sources [..., d] and weights -> their weighted sum (DenseFormer's DWA, MUDDFormer's ways)
+#   weights [S] (one per source, shared by all tokens: dwa):           out [..., d]    = sum_s w[s] x_s
+#   weights [..., C, S] (per token and way c: mudd's dynamic weights): out [..., C, d], out_c = sum_s w[c, s] x_s
+# Backward: dx_s = sum_c w[c, s] g_c;  dw[c, s] = <g_c, x_s> (summed over tokens for shared weights).
+# As depth_attention, every path reads the sources where they lie (a table of addresses, never a stacked
+# copy) and saves only the sources (alive anyway, the stream's earlier outputs) and the weights: no
+# product per source. Bytes moved per token, b per stored element: forward S d b read, C d b written;
+# backward (S + C) d b read, S d b written, plus the weights.
+
+if triton is not None:
+
+    @triton.jit
+    def _dense_mix_fwd(SRC, W, OUT, S, C, d, w_row, ALIGNED: tl.constexpr, CBLOCK: tl.constexpr, BLOCK: tl.constexpr):
+        # one program per row; OUT [M, C, d]; W [M, C, S] (w_row = C S) or [1, 1, S] shared (w_row = 0, C = 1)
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ways = tl.arange(0, CBLOCK)
+        mask = cols < d
+        acc = tl.zeros([CBLOCK, BLOCK], dtype=tl.float32)
+        for s in range(0, S):
+            x = tl.load(_source(SRC, s, OUT, ALIGNED) + row * d + cols, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(W + row * w_row + ways * S + s, mask=ways < C, other=0.0).to(tl.float32)
+            acc += w[:, None] * x[None, :]
+        off = (row * C + ways[:, None]) * d + cols[None, :]
+        tl.store(OUT + off, acc.to(OUT.dtype.element_ty), mask=(ways[:, None] < C) & mask[None, :])
+
+    @triton.jit
+    def _dense_mix_bwd(SRC, DSRC, W, G, DW, S, C, M, d, w_row,
+                       ALIGNED: tl.constexpr, CBLOCK: tl.constexpr, BLOCK: tl.constexpr):
+        # programs loop over rows. DW fp32: per token [M, C, S] (w_row = C S), or for shared weights
+        # [programs, S] partial sums (w_row = 0), each program adding into its own row
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        ways = tl.arange(0, CBLOCK)
+        mask = cols < d
+        wmask = ways < C
+        for row in range(pid, M, tl.num_programs(0)):
+            row64 = tl.cast(row, tl.int64)
+            off = row64 * d + cols
+            g = tl.load(G + (row64 * C + ways[:, None]) * d + cols[None, :], mask=wmask[:, None] & mask[None, :],
+                        other=0.0).to(tl.float32)
+            for s in range(0, S):
+                x = tl.load(_source(SRC, s, G, ALIGNED) + off, mask=mask, other=0.0).to(tl.float32)
+                w = tl.load(W + row64 * w_row + ways * S + s, mask=wmask, other=0.0).to(tl.float32)
+                tl.store(_source(DSRC, s, G, ALIGNED) + off, tl.sum(w[:, None] * g, axis=0).to(G.dtype.element_ty),
+                         mask=mask)
+                dw = tl.sum(g * x[None, :], axis=1)
+                if w_row == 0:
+                    tl.store(DW + pid * S + s + ways, tl.load(DW + pid * S + s + ways, mask=ways < 1) + dw, mask=ways < 1)
+                else:
+                    tl.store(DW + row64 * w_row + ways * S + s, dw, mask=wmask)
+
+
+def _dense_mix_ways(sources, weights):
+    """(C ways, per token?) of weights [S] (1, False) or [..., C, S] (C, True)."""
+    return (1, False) if weights.dim() == 1 else (weights.shape[-2], True)
+
+
+def dense_mix_fwd_triton(sources: list[Tensor], weights: Tensor) -> Tensor:
+    """Launch the forward kernel: out [..., d] (weights [S]) or [..., C, d] (weights [..., C, S]), contiguous,
+    in the sources' dtype."""
+    M, d, BLOCK = _launch_shape(sources[0])
+    C, per_token = _dense_mix_ways(sources, weights)
+    src = [_rows(v) for v in sources]
+    shape = (*sources[0].shape[:-1], C, d) if per_token else sources[0].shape
+    out = torch.empty(shape, device=src[0].device, dtype=src[0].dtype)
+    _dense_mix_fwd[(M,)](_pointer_table(src, out.device), weights.contiguous(), out, len(src), C, d,
+                         C * len(src) if per_token else 0, ALIGNED=_aligned(src),
+                         CBLOCK=triton.next_power_of_2(C), BLOCK=BLOCK, num_warps=_warps(BLOCK))
+    return out
+
+
+def dense_mix_bwd_triton(sources: list[Tensor], weights: Tensor, grad: Tensor) -> tuple[list[Tensor], Tensor]:
+    """Launch the backward kernel: (a gradient per source, grad weights in the weights' dtype)."""
+    M, d, BLOCK = _launch_shape(sources[0])
+    C, per_token = _dense_mix_ways(sources, weights)
+    S = len(sources)
+    src = [_rows(v) for v in sources]
+    g = grad.contiguous().to(src[0].dtype)  # the sources' dtype: their gradients are stored in it too
+    grads = [torch.empty_like(v) for v in src]
+    n = M if per_token else _n_programs(M, g.device)
+    dw = (torch.empty(weights.shape, device=g.device, dtype=torch.float32) if per_token
+          else torch.zeros(n, S, device=g.device, dtype=torch.float32))
+    _dense_mix_bwd[(n,)](_pointer_table(src, g.device), _pointer_table(grads, g.device), weights.contiguous(), g, dw,
+                         S, C, M, d, C * S if per_token else 0, ALIGNED=_aligned(src + grads),
+                         CBLOCK=triton.next_power_of_2(C), BLOCK=BLOCK, num_warps=_warps(BLOCK))
+    return [v.view(sources[0].shape) for v in grads], (dw if per_token else dw.sum(0)).to(weights.dtype)
+
+
+dense_mix_op = custom_op("dense_mix", dense_mix_fwd_triton)
+dense_mix_backward_op = custom_op("dense_mix_backward", dense_mix_bwd_triton)
+
+
+@dense_mix_op.register_fake
+def _(sources, weights):
+    v = sources[0]
+    return v.new_empty((*v.shape[:-1], weights.shape[-2], v.shape[-1]) if weights.dim() > 1 else v.shape)
+
+
+@dense_mix_backward_op.register_fake
+def _(sources, weights, grad):
+    return [v.new_empty(v.shape) for v in sources], torch.empty_like(weights)
+
+
+def _dense_mix_setup(ctx, inputs, output):
+    sources, weights = inputs
+    ctx.save_for_backward(weights, *sources)
+
+
+def _dense_mix_backward(ctx, grad):
+    weights, *sources = ctx.saved_tensors
+    return dense_mix_backward_op(sources, weights, grad)
+
+
+dense_mix_op.register_autograd(_dense_mix_backward, setup_context=_dense_mix_setup)
+
+
+# the reference. Shared weights: one pass over each source, in one fp32 buffer (an addcmul per source).
+# Per-token weights: batched matmuls over a stack of the sources made and freed inside the call. Either way
+# autograd saves the sources and the weights only.
+
+def _stacked(sources):
+    """The sources as one fp32 [..., S, d] (a copy, for one matmul; never saved)."""
+    return torch.stack([upcast(v) for v in sources], -2)
+
+
+@dense_mix_op.register_kernel("cpu")
+def dense_mix_fwd_torch(sources: list[Tensor], weights: Tensor) -> Tensor:
+    """out [..., d] (weights [S]) or [..., C, d] (weights [..., C, S]) in the sources' dtype, fp32 inside."""
+    x0 = sources[0]
+    with fp32_math(x0):
+        w = upcast(weights)
+        if w.dim() > 1:  # per token: a batched matmul over a transient stack of the sources (freed at once,
+            # never saved): on a CPU 2x faster than an addcmul per source, whose [..., C, d] products are tiny
+            return cast(torch.matmul(w, _stacked(sources)), x0.dtype)
+        out = upcast(x0) * w[0]
+        for s in range(1, len(sources)):
+            w_s = w[s]
+            if s < len(sources) - 1:
+                torch.addcmul(out, sources[s], w_s, out=out)  # in place: one buffer for the whole sum
+            else:  # the last not in place: DenseMixTorch returns it (see cast)
+                out = torch.addcmul(out, sources[s], w_s)
+        return cast(out, x0.dtype)
+
+
+def _dense_mix_grads(sources, weights, grad, copy):
+    """dense_mix_bwd_torch's results; copy=False: the per-token case's source gradients may be views of one
+    [..., S, d]."""
+    with fp32_math(grad):
+        g, w = upcast(grad), upcast(weights)
+        if weights.dim() == 1:  # dx_s = w[s] g; dw[s] = <g, x_s> over all tokens
+            grads = [(g * w[s]).to(v.dtype) for s, v in enumerate(sources)]
+            gw = torch.stack([torch.dot(g.reshape(-1), upcast(v).reshape(-1)) for v in sources])
+        else:  # batched matmuls: dx_s = sum_c w[c, s] g_c for all s; dw[c, s] = <g_c, x_s> (a transient stack)
+            dx = torch.matmul(w.transpose(-1, -2), g)  # [..., S, d]
+            grads = [t.to(v.dtype, copy=copy) for t, v in zip(dx.unbind(-2), sources)]
+            gw = torch.matmul(g, _stacked(sources).transpose(-1, -2))
+        return grads, gw.to(weights.dtype)
+
+
+@dense_mix_backward_op.register_kernel("cpu")
+def dense_mix_bwd_torch(sources: list[Tensor], weights: Tensor, grad: Tensor) -> tuple[list[Tensor], Tensor]:
+    """(a gradient per source in its dtype, grad weights in the weights' dtype). An op's outputs may not
+    alias: the per-token case's views are copied here (DenseMixTorch takes the views)."""
+    return _dense_mix_grads(sources, weights, grad, copy=True)
+
+
+class DenseMixTorch(torch.autograd.Function):
+    """The reference with autograd (impl="torch"): saves the weights and the sources as they are (passed
+    one by one: no stacked copy, a gradient each)."""
+
+    @staticmethod
+    def forward(ctx, weights, *sources):
+        ctx.save_for_backward(weights, *sources)
+        return dense_mix_fwd_torch(list(sources), weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        weights, *sources = ctx.saved_tensors
+        grads, gw = _dense_mix_grads(sources, weights, grad, copy=False)
+        return gw, *grads
+
+
+def dense_mix(sources, weights, impl="auto"):
+    """The weighted sum of S sources (a list of S >= 1 tensors [..., d] of one shape and dtype, or one
+    stacked [S, ..., d]): weights [S] -> out [..., d] = sum_s w[s] x_s (one weight per source: DenseFormer's
+    DWA); weights [..., C, S] -> out [..., C, d], out_c = sum_s w[c, s] x_s (per token and way: MUDDFormer).
+    fp32 inside; out in the sources' dtype."""
+    sources = _source_list(sources)
+    S, v = len(sources), sources[0]
+    if weights.shape[-1] != S or (weights.dim() > 1 and weights.shape[:-2] != v.shape[:-1]):
+        raise ValueError(f"dense_mix: weights must be [{S}] or [..., C, {S}] with ... = {tuple(v.shape[:-1])}, "
+                         f"got {tuple(weights.shape)}")
+    if use_triton(impl, v):
+        return dense_mix_op(sources, weights)
+    if not torch.is_grad_enabled():
+        return dense_mix_fwd_torch(sources, weights)
+    return DenseMixTorch.apply(weights, *sources)

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import optim
-from kernels import IMPLS, depth_attention, fp32_math, hc_post_mix, mhc_pre_mix, nag_update, rms_norm, sinkhorn, upcast
+from kernels import IMPLS, dense_mix, depth_attention, fp32_math, hc_post_mix, mhc_pre_mix, nag_update, rms_norm, sinkhorn, upcast
 
 
 @dataclass
@@ -1083,7 +1083,7 @@ class DenseFormer(Residual):
         dwa_period=1,  # dwa: p, a DWA after every p-th block only (1: after every block; the paper's default)
         dwa_decay=False,  # dwa: weight decay on alpha (True: the reference, whose alphas are Linear weights)
     )
-    mods, ops, starts_as = ("router",), ("rms_norm",), "prenorm"
+    mods, ops, starts_as = ("router",), ("rms_norm", "dense_mix"), "prenorm"
     vector_flops = ("dwa",)  # weighted sums of whole outputs: broadcasts, not matmuls
 
     @staticmethod
@@ -1120,6 +1120,7 @@ class DenseFormer(Residual):
                 if r is not None:
                     self.alpha[r, i] = 1.0
         self.decay, self.shape = config.dwa_decay, (config.dwa_dilation, config.dwa_period)
+        self.impl = config.kernels
 
     def no_decay_parameters(self):
         return [] if self.decay else [self.alpha]
@@ -1144,8 +1145,9 @@ class DenseFormer(Residual):
         """The DWA after block i over its group of outputs (None: block i has none)."""
         if self.group[i - 1] is None:
             return None
-        w = self.alpha[self.row[i - 1]].to(outputs[0].dtype)
-        return sum(w[j] * outputs[j] for j in self.group[i - 1])  # no stacked copy of the outputs is saved
+        group, k = self.group[i - 1], self.shape[0]
+        w = self.alpha[self.row[i - 1], group[0]::k][:len(group)]  # the group's weights, a view of alpha's row
+        return dense_mix(outputs[group[0]::k], w, impl=self.impl)  # one op, no stacked copy of the outputs
 
     def write(self, state, l, out, carry):
         x = state.x + out
@@ -1293,8 +1295,8 @@ class MUDD(Residual):
     options = dict(
         mudd_ways=(4, 1),  # mudd: 4: query, key, value and residual ways (the paper's) | 1: the residual way only
     )
-    mods, ops, starts_as = (), ("rms_norm",), "prenorm"
-    vector_flops = ("mudd_mix",)
+    mods, ops, starts_as = (), ("rms_norm", "dense_mix"), "prenorm"
+    vector_flops = ()  # the mix too is a (batched) matmul in dense_mix's reference, as FlopCounterMode sees it
 
     @staticmethod
     def shapes(config):
@@ -1356,7 +1358,7 @@ class MUDD(Residual):
             return self.State(x, state.outputs, None)
         outputs = state.outputs + [x]
         dw = self.weights(x, l // 2)
-        ways = [sum(dw[..., c, j, None] * X for j, X in enumerate(outputs)) for c in range(dw.size(-2))]
+        ways = dense_mix(outputs, dw, impl=self.impl).unbind(-2)  # way c: sum_j dw[c, j] X_j
         *qkv, x = ways  # (query, key, value,) residual: the last way is the residual
         return self.State(x, outputs, tuple(qkv) if qkv else None)
 

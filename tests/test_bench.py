@@ -52,8 +52,9 @@ def test_bench_prints_every_kernel_and_mode(capsys, monkeypatch, tiny_steps):
     modes = [*RESIDUALS, *bench.VARIANTS]  # the modes, then the options timed beside them
     saved = dict(zip(modes, saved, strict=True))
     assert set(RESIDUALS) <= set(times) and all(t > 0 for t in times.values())
-    for name in ("rms_norm", "nag_update", "depth_attention", "mhc_pre_mix", "sinkhorn", "hc_post_mix"):
-        assert f"| {name} | eager |" in out  # all six kernels (hc/mhc's three were left out)
+    for name in ("rms_norm", "nag_update", "depth_attention", "mhc_pre_mix", "sinkhorn", "hc_post_mix",
+                 "dense_mix_dwa", "dense_mix_mudd"):
+        assert f"| {name} | eager |" in out  # every kernel (hc/mhc's three were once left out)
     for residual in RESIDUALS:
         assert f"| {residual} |" in out
     # the model table: each mode's ratio is its own step time over prenorm's, and its saved activations
@@ -379,12 +380,12 @@ def fake_clock(durations):
 
 @pytest.mark.parametrize("durations, warning", [
     ([1.0], None),  # whole seconds: exact in floating point, so equal measurements tie exactly
-    ([1.0, 1.0, 9.0, 1.0, 5.0], "12 measurement(s) unsteady (worst: rms_norm eager forward: its repeats "
+    ([1.0, 1.0, 9.0, 1.0, 5.0], "16 measurement(s) unsteady (worst: rms_norm eager forward: its repeats "
                                       "spread by 400% of their median)"),
-    ([2.0] * 5 + [1.0] * 5, "6 measurement(s) unsteady (worst: rms_norm eager: the forward alone took 2.0x its "
+    ([2.0] * 5 + [1.0] * 5, "8 measurement(s) unsteady (worst: rms_norm eager: the forward alone took 2.0x its "
                               "forward+backward)"),
 ], ids=["quiet", "spread", "forward-slower"])
-def test_bench_kernels_times_all_six_and_warns_when_loaded(capsys, monkeypatch, durations, warning):
+def test_bench_kernels_times_each_and_warns_when_loaded(capsys, monkeypatch, durations, warning):
     """--section=kernels times every kernel of kernels.py (the real calls, a stubbed clock): one eager row
     each, forward and forward+backward. Under load it once printed a 24 ms forward beside a 0.46 ms
     forward+backward: repeats that spread by more than half their median, or a forward slower than its
@@ -393,7 +394,8 @@ def test_bench_kernels_times_all_six_and_warns_when_loaded(capsys, monkeypatch, 
     bench.main(["--section=kernels", "--reps=5", "--compile=False", "--device=cpu"])
     out = capsys.readouterr().out
     names = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "| eager |" in line]
-    assert names == ["rms_norm", "nag_update", "depth_attention", "mhc_pre_mix", "sinkhorn", "hc_post_mix"]
+    assert names == ["rms_norm", "nag_update", "depth_attention", "mhc_pre_mix", "sinkhorn", "hc_post_mix",
+                     "dense_mix_dwa", "dense_mix_mudd"]
     if warning is None:
         assert "warning" not in out
     else:

@@ -16,7 +16,8 @@ from configurator import ConfigError
 from model import RESIDUALS
 
 triton = pytest.importorskip("triton")
-KERNELS = ("rms_norm", "nag_update", "depth_attention", "mhc_pre_mix", "sinkhorn", "hc_post_mix")
+KERNELS = ("rms_norm", "nag_update", "depth_attention", "mhc_pre_mix", "sinkhorn", "hc_post_mix", "dense_mix_dwa",
+           "dense_mix_mudd")
 
 
 @pytest.fixture(autouse=True)
@@ -165,9 +166,9 @@ def test_gpu_cap_skips_the_parts_after_it(tmp_path, monkeypatch):
     assert list(saved["parts"]) == ["correctness"]
     cap = "(the 1e-05-minute cap was reached)"
     assert saved["skipped"][-3:] == [f"{part} {cap}" for part in ("bandwidth", "modes", "mod")]
-    # the correctness items that did not run: 11 kernel checks and every mode's compiled step
+    # the correctness items that did not run: 15 kernel checks and every mode's compiled step
     skipped_checks = [s for s in saved["skipped"] if s.startswith("correctness: ")]
-    assert len(skipped_checks) == 6 * 2 - 1 + len(RESIDUALS) + len(bench.VARIANTS)
+    assert len(skipped_checks) == len(KERNELS) * 2 - 1 + len(RESIDUALS) + len(bench.VARIANTS)
     assert "correctness: compiled step mudd (the part's time ran out)" in skipped_checks
     assert f"bandwidth {cap}" in text and md_tables(text)["correctness"][0][:4] == ["rms_norm", "fp32", "5x24", "ok"]
     # written as it went: the row was on disk while the run was still running, before the skips and the end

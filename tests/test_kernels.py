@@ -590,7 +590,10 @@ def all_kernels(x, w, r, u, a, s0, s1, s2, q, hx, proj, scale, base, impl="trito
     h_res = kernels.sinkhorn(res_logits, 3, impl=impl)
     written = kernels.hc_post_mix(hx, 2 * hu, h_post, h_res, impl=impl)
     shared = kernels.hc_post_mix(hx, hu, base[:4], base[8:].view(4, 4), impl=impl)
-    return y, r_new, log_gain, mix, written, shared
+    # the dense mixes: dwa's weights [S], mudd's per row and way [rows, C, S]
+    dwa = kernels.dense_mix([s0, s1, s2], q[:3], impl=impl)
+    mudd = kernels.dense_mix([s0, s1, s2], proj[:, :12].unflatten(-1, (4, 3)), impl=impl)
+    return y, r_new, log_gain, mix, written, shared, dwa, mudd
 
 
 def kernel_inputs(dtype=torch.float32, rows=6, d=16, device=DEVICE):
@@ -638,10 +641,10 @@ def test_opcheck(path):
             torch.library.opcheck(op, args)
 
 
-# the twelve kernels the launchers launch (_log1p, _source, _hc_tile, ... are helpers that kernels call)
+# the fourteen kernels the launchers launch (_log1p, _source, _hc_tile, ... are helpers that kernels call)
 LAUNCHED = ("_rms_norm_fwd", "_rms_norm_bwd", "_nag_fwd", "_nag_bwd", "_depth_attention_fwd", "_depth_attention_bwd",
             "_mhc_pre_mix_fwd", "_mhc_pre_mix_bwd", "_sinkhorn_fwd", "_sinkhorn_bwd",
-            "_hc_post_mix_fwd", "_hc_post_mix_bwd")
+            "_hc_post_mix_fwd", "_hc_post_mix_bwd", "_dense_mix_fwd", "_dense_mix_bwd")
 
 
 def test_gpu_path_launches_the_triton_kernels(monkeypatch):
@@ -660,7 +663,7 @@ def test_gpu_path_launches_the_triton_kernels(monkeypatch):
 
     for name in LAUNCHED:
         monkeypatch.setattr(kernels, name, Recording(name, getattr(kernels, name)))
-    assert len(kernels.custom_ops()) == 12  # a forward and a backward op per kernel
+    assert len(kernels.custom_ops()) == 14  # a forward and a backward op per kernel
     inputs = kernel_inputs()
     for impl, want in (("torch", set()), ("triton", set(LAUNCHED))):
         launched.clear()
@@ -680,7 +683,7 @@ def test_ops_cpu_gradcheck():
     assert torch.autograd.gradcheck(lambda r, u, a: kernels.nag_update(r, u, a, impl="triton"), (r, u, a1))
 
 
-FORWARD_OPS = ("rms_norm", "nag_update", "depth_attention", "mhc_pre_mix", "sinkhorn", "hc_post_mix")
+FORWARD_OPS = ("rms_norm", "nag_update", "depth_attention", "mhc_pre_mix", "sinkhorn", "hc_post_mix", "dense_mix")
 
 
 def test_compile_sees_the_ops():

@@ -85,6 +85,9 @@ def exercise(kernels, torch, dtype, d):
         backward(torch, kernels.nag_update(leaf(*rows, d), leaf(*rows, d), leaf(*rows, 1), impl="triton"))
         sources = [leaf(*rows, d) for _ in range(3)]  # the list the model passes
         backward(torch, kernels.depth_attention(sources, leaf(d), leaf(d), impl="triton"))
+        # the dense mixes: dwa's shared weights [S], mudd's per token and way [..., 4, S]
+        backward(torch, kernels.dense_mix(sources, leaf(3), impl="triton"))
+        backward(torch, kernels.dense_mix(sources, leaf(*rows, 4, 3), impl="triton"))
         # hyper-connections with n = 4 streams, as the model calls them: mhc's pre-mix (proj in the
         # stream's dtype, fp32 scale and base), Sinkhorn on its fp32 logits and on logits in `dtype`,
         # the post-mix with mhc's per-row fp32 coefficients and with hc's shared ones
