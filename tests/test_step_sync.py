@@ -207,7 +207,7 @@ def test_step_stats_flops_from_device_counts_equal_the_float_sums():
 
 
 def test_kernel_launchers_make_no_host_sync(monkeypatch):
-    """Every Triton launcher, forward and backward (the hyper-connections' included: Sinkhorn's
+    """Every Triton launcher, forward and backward (the hyper-connections' and the dense mix's included: Sinkhorn's
     iteration count and a shared coefficient's row stride are host values, never read from a tensor),
     reads nothing back to the host. The launchers are called directly (inside a custom op, the
     dispatch mode would not see their torch calls) with the kernels stubbed: a launch is recorded,
@@ -243,6 +243,9 @@ def test_kernel_launchers_make_no_host_sync(monkeypatch):
         for hp, hr in ((h_post, h_res), (base[:4], base[8:].view(4, 4))):  # per row (mhc), shared (hc)
             kernels.hc_post_mix_fwd_triton(hx, hu, hp, hr)
             kernels.hc_post_mix_bwd_triton(hx, hu, hp, hr, hx)
+        for mix_w in (w[:3], torch.ones(*s0.shape[:-1], 2, 3)):  # shared (dwa); per token and way (mudd)
+            out = kernels.dense_mix_fwd_triton([s0, s1, s2], mix_w)
+            kernels.dense_mix_bwd_triton([s0, s1, s2], mix_w, torch.ones_like(out))
     assert launched == set(LAUNCHED)
     assert reads.ops == []
 
