@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 
 import train
 from model import RESIDUALS
-from test_compile import MOD_CASES, VARIANTS
+from test_compile import MOD_CASES, VARIANTS, fresh_dynamo  # noqa: F401 (autouse: dynamo reset around each test)
 from test_train import in_process, tiny_args  # noqa: F401
 
 pytest.importorskip("triton")
@@ -49,14 +49,6 @@ class Phases:
     def __call__(self, gm, example_inputs):
         self.graphs.append((*self.phase, torch.is_grad_enabled()))
         return gm.forward
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("case", list(CASES))
