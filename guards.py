@@ -42,7 +42,7 @@ RUN_FILES = ("ckpt.pt", "ckpt_best.pt", "log.jsonl", "log.jsonl.torn", "config.j
 LOCK_FILE = ".lock"  # in out_dir while a run writes there (OutDirLock); never one of RUN_FILES: it never moves
 # a resume: the keys each process sets for itself (never taken from the checkpoint), the budget (never
 # changed), and the plan: what the run trains, which only the command line may change
-OWN_KEYS = ("init_from", "eval_only", "out_dir", "device", "dtype", "compile", "kernels", "wandb_log",
+OWN_KEYS = ("init_from", "eval_only", "out_dir", "device", "dtype", "compile", "kernels", "threads", "wandb_log",
             "wandb_project", "wandb_run_name")
 BUDGET_KEYS = ("max_flops", "max_seconds")
 PLAN_KEYS = ("max_iters", "lr_decay_iters", "warmup_iters", "learning_rate", "min_lr", "decay_lr", "weight_decay",

@@ -63,3 +63,11 @@ def test_free_cores_sees_a_busy_core():
         spin.kill()
         spin.wait()
     assert busy < cores - 0.5
+
+
+def test_a_resume_keeps_its_own_threads():
+    """--threads is this process's setting, as --device is: a resume never takes the checkpoint's run's count
+    (another machine, another load), while a run setting such as eval_iters comes from the checkpoint."""
+    from guards import resumed_config
+    taken = resumed_config(dict(run_config.DEFAULTS), {"threads": 2, "eval_iters": 7}, explicit=set())
+    assert taken == {"eval_iters": 7}
