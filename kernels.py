@@ -741,15 +741,15 @@ class DepthAttentionTorch(torch.autograd.Function):
         return gq, gw, None, *grads
 
 
-def _source_list(sources):
-    """The sources as a list (a stacked tensor: its views), checked to be alike."""
+def _source_list(sources, op="depth_attention"):
+    """The sources as a list (a stacked tensor: its views), checked to be alike; op names the caller in errors."""
     sources = list(sources.unbind(0)) if isinstance(sources, Tensor) else list(sources)
     if not sources:
-        raise ValueError("depth_attention needs at least one source")
+        raise ValueError(f"{op} needs at least one source")
     v = sources[0]
     for s in sources[1:]:
         if s.shape != v.shape or s.dtype != v.dtype or s.device != v.device:
-            raise ValueError(f"depth_attention: every source must have one shape, dtype and device; got "
+            raise ValueError(f"{op}: every source must have one shape, dtype and device; got "
                              f"{tuple(v.shape)} {v.dtype} {v.device} and {tuple(s.shape)} {s.dtype} {s.device}")
     return sources
 
@@ -1559,7 +1559,7 @@ def dense_mix(sources, weights, impl="auto"):
     stacked [S, ..., d]): weights [S] -> out [..., d] = sum_s w[s] x_s (one weight per source: DenseFormer's
     DWA); weights [..., C, S] -> out [..., C, d], out_c = sum_s w[c, s] x_s (per token and way: MUDDFormer).
     fp32 inside; out in the sources' dtype."""
-    sources = _source_list(sources)
+    sources = _source_list(sources, "dense_mix")
     S, v = len(sources), sources[0]
     if weights.shape[-1] != S or (weights.dim() > 1 and weights.shape[:-2] != v.shape[:-1]):
         raise ValueError(f"dense_mix: weights must be [{S}] or [..., C, {S}] with ... = {tuple(v.shape[:-1])}, "

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kernels
-from test_kernels import CUDA, DEVICE, assert_close, compare, gpu_path
+from test_kernels import DEVICE, assert_close, compare, gpu_path
 
 pytest.importorskip("triton")
 
@@ -209,3 +209,13 @@ def test_model_mix_matches_per_source_sums(mode, kw):
         results.append([logits.detach()] + [p.grad for p in m.parameters()])
     for new, old in zip(*results):
         assert (new - old).abs().max() <= 1e-4 * old.abs().max()
+
+
+def test_bad_inputs_are_one_line_errors_that_name_the_op():
+    x = torch.randn(2, 3, 8)
+    with pytest.raises(ValueError, match="^dense_mix needs at least one source$"):
+        kernels.dense_mix([], torch.ones(0))
+    with pytest.raises(ValueError, match="^dense_mix: every source must have one shape"):
+        kernels.dense_mix([x, torch.randn(2, 3, 9)], torch.ones(2))
+    with pytest.raises(ValueError, match=r"^dense_mix: weights must be \[2\] or \[\.\.\., C, 2\]"):
+        kernels.dense_mix([x, x], torch.ones(3))
