@@ -71,3 +71,12 @@ def test_a_resume_keeps_its_own_threads():
     from guards import resumed_config
     taken = resumed_config(dict(run_config.DEFAULTS), {"threads": 2, "eval_iters": 7}, explicit=set())
     assert taken == {"eval_iters": 7}
+
+
+def test_train_py_takes_the_threads_key(threads, monkeypatch):
+    """--threads reaches torch through train.py's start (start_processes), and the start-up line gets its words."""
+    import train
+    monkeypatch.setattr(run_config, "free_cores", lambda: pytest.fail("a pinned count reads no load"))
+    cfg = dict(run_config.DEFAULTS, device="cpu", threads=1)
+    *_, line = train.start_processes(cfg)
+    assert torch.get_num_threads() == 1 and line == "1 thread (--threads)"
