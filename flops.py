@@ -35,6 +35,7 @@ Convention. FLOPs count a multiply-add as 2 and are per token of the training se
 Training = 3 x forward (backward = 2 x forward).
 """
 
+import collections
 import csv
 import glob
 import json
@@ -52,6 +53,7 @@ import torch
 
 from configurator import ConfigError, configure
 import run_config
+import stats
 from model import GPT, MODS, RESIDUALS
 from plan import iterations_for_budget
 
@@ -245,7 +247,8 @@ SWEEP_DEFAULTS = dict(
     cell_budgets={},  # {cell: [FLOPs, ...]}: a cell's own budgets instead of budgets (the baseline's, wider than
     #                 the designs', so that every design's loss is read inside the baseline's measured range)
     jobs=1,  # train.py processes at a time (on CPU with OMP_NUM_THREADS=1: one per core)
-    baseline=None,  # results.md tests every cell against this cell (Welch); None: its depth's prenorm cell, else first
+    baseline=None,  # results.md tests every cell against this cell (paired t on shared seeds, else Welch); None:
+    #               its depth's prenorm cell, else first
 )
 FIELDS = ["run", "cell", "seed", "residual", "n_layer", "mod", "mod_rate", "args", "status", "iters", "tokens",
           "flops", "params", "train_flops_per_token", "exec_train", "exec_eval", "eval_flops_per_token", "val_loss",
@@ -634,7 +637,9 @@ def _sweep(sw, root, runs, base_argv, cfgs, argv):
 
 
 def aggregate(rows):
-    """One entry per cell, over its finished runs (the seeds): counts, and mean and std of the losses."""
+    """One entry per cell, over its finished runs (the seeds): counts, mean and std of the losses, and the
+    losses by seed ({seed: loss}, what stats.compare pairs on; a run without a seed, or a second run of a cell's
+    seed, e.g. a budgets sweep's CSV, is keyed by its run name, paired with nothing)."""
     cells = {}
     for r in rows:
         cells.setdefault(r["cell"], []).append(r)
@@ -643,13 +648,17 @@ def aggregate(rows):
         done = [r for r in rs if r["status"] == "done"]
         agg = {k: rs[0][k] for k in ("cell", "residual", "n_layer", "mod", "mod_rate", "args", "params")
                if k in rs[0]}
-        agg.update(n=len(done), runs=len(rs), losses=[r["val_loss"] for r in done])
+        losses = {}
+        for i, r in enumerate(done):
+            key = r["seed"] if r.get("seed") is not None and r["seed"] not in losses else r["run"]
+            losses[key if key not in losses else f"{key} ({i})"] = r["val_loss"]
+        agg.update(n=len(done), runs=len(rs), losses=losses)
         paces = [pace(r) for r in done if pace(r) is not None]
         agg["s_per_iter"] = statistics.median(paces) if paces else None
         for k in ("val_loss", "best_val_loss", "iters", "train_flops_per_token", "eval_flops_per_token",
                   "exec_train", "exec_eval", "seconds", "flops"):
             vals = [r[k] for r in done if r.get(k) is not None]
-            agg[k], agg[k + "_std"] = run_config.mean_std(vals) if vals else (None, None)
+            agg[k], agg[k + "_std"] = stats.mean_std(vals) if vals else (None, None)
         out.append(agg)
     return out
 
@@ -660,6 +669,11 @@ def pace(row):
     if row.get("s_per_iter") is not None:
         return row["s_per_iter"]
     return row["seconds"] / row["iters"] if row.get("seconds") and row.get("iters") else None
+
+
+def check_adjust(adjust):
+    if adjust not in stats.ADJUST:
+        raise ConfigError(f"adjust must be holm (Holm's step-down) or bh (Benjamini-Hochberg), got {adjust!r}")
 
 
 def check_baseline(baseline, cells):
@@ -674,29 +688,33 @@ def baselines(cells, baseline=None):
                                        and not c.get("args")) for c in cells], baseline)
 
 
-def significance_lines(cells, baseline=None):
-    """Markdown: each cell's final val loss against its baseline cell (run_config.significance_cells)."""
+def significance_lines(cells, baseline=None, adjust="holm"):
+    """Markdown: each cell's final val loss against its baseline cell, the table's comparisons one family
+    (stats.family_cells: paired on the seeds both ran, else Welch; p raw and adjusted by `adjust`)."""
     losses = {c["cell"]: c["losses"] for c in cells}
     paces = {c["cell"]: c["s_per_iter"] for c in cells}
     lines = ["", "Final val loss against a baseline cell (the sweep's `baseline`, else the prenorm cell of the "
-             "same depth, else its first cell): difference of means, its 95% CI, Welch's t-test (* p < 0.05), the seeds per cell that "
-             "would make the observed difference significant at 80% power, and the cell's median seconds per "
-             "iteration over the baseline's, measured in this sweep (a results.csv without s_per_iter: wall time over "
-             "iterations, evals included):", "",
-             "| cell | baseline | " + " | ".join(run_config.SIGNIFICANCE_HEADER) + " | s/iter vs baseline |",
-             "|" + "---|" * 7]
+             "same depth, else its first cell): difference of means and its 95% CI, the test (a paired t-test on "
+             "the seeds both cells ran, n the shared seeds; Welch's t-test, n each cell's runs, where they share "
+             "fewer than 2), p raw and adjusted, the seeds at which the observed difference would be significant at "
+             "0.05 over the family's size (Bonferroni, which passes Holm and BH too) with 80% power, and the cell's "
+             "median seconds per iteration over the baseline's, measured in this sweep (a results.csv without "
+             "s_per_iter: wall time over iterations, evals included)."]
     pairs = {cell: base for cell, base in baselines(cells, baseline).items() if cell != base}
     if not pairs:  # one cell per depth and no baseline named: say so rather than print an empty table
         depths = sorted({c["n_layer"] for c in cells})
-        return lines[:2] + [f"No comparison: every cell is the only one of its depth ({', '.join(map(str, depths))} "
+        return lines + ["", f"No comparison: every cell is the only one of its depth ({', '.join(map(str, depths))} "
                             f"layers), so each is its own baseline. Read this CSV together with the CSV of the cells "
                             f"to compare with (several are read as one sweep), e.g. python flops.py results "
                             f"docs/sweep_shakespeare_cpu.csv docs/sweep_shakespeare_mhc_cpu.csv, or name a baseline "
                             f"cell (--baseline=CELL; a sweep config's baseline)."]
-    for cell, base in pairs.items():
+    rows, m = stats.family_cells([(losses[cell], losses[base]) for cell, base in pairs.items()], adjust)
+    lines[-1] += " " + stats.family_sentence(m, adjust) + "."
+    lines += ["", "| cell | baseline | " + " | ".join(stats.family_header(adjust)) + " | s/iter vs baseline |",
+              "|" + "---|" * 9]
+    for (cell, base), row in zip(pairs.items(), rows):
         ratio = f"{paces[cell] / paces[base]:.2f}x" if paces[cell] and paces[base] else "-"
-        lines.append(f"| {cell} | {base} | " + " | ".join(run_config.significance_cells(losses[cell], losses[base]))
-                     + f" | {ratio} |")
+        lines.append(f"| {cell} | {base} | " + " | ".join(row) + f" | {ratio} |")
     return lines
 
 
@@ -721,8 +739,9 @@ def write_results(root, runs, cfgs, status, budget, baseline=None, budget_second
     return rows
 
 
-def results_markdown(rows, cells, what, baseline=None):
-    """Mean ± std per cell, each cell against its baseline, then every run; `what` opens it."""
+def results_markdown(rows, cells, what, baseline=None, adjust="holm"):
+    """Mean ± std per cell, each cell against its baseline (p adjusted by `adjust`), then every run; `what`
+    opens it."""
     fmt = lambda v, spec: "-" if v in (None, "") else format(v, spec)  # noqa: E731
     pm = lambda c, k: fmt(c[k], ".4f") + ("" if c[k + "_std"] is None else f" ± {c[k + '_std']:.4f}")  # noqa: E731
     seeds = sorted({r["seed"] for r in rows})
@@ -740,7 +759,7 @@ def results_markdown(rows, cells, what, baseline=None):
                      f"| {fmt(c['exec_train'], '.3f')} / {fmt(c['exec_eval'], '.3f')} "
                      f"| {pm(c, 'val_loss')} | {pm(c, 'best_val_loss')} | {fmt(c['seconds'], '.0f')} "
                      f"| {fmt(c['s_per_iter'], '.3f')} | {fmt(c['flops'], '.3g')} |")
-    lines += significance_lines(cells, baseline)
+    lines += significance_lines(cells, baseline, adjust)
     lines += ["", "Every run:", "", "| run | seed | status | iters | final val loss | best val loss | s |",
               "|" + "---|" * 7]
     for r in rows:
@@ -752,6 +771,7 @@ def results_markdown(rows, cells, what, baseline=None):
 
 RESULTS_DEFAULTS = dict(
     baseline=None,  # the cell every other cell is tested against; None: its depth's prenorm cell, else its first
+    adjust="holm",  # the table's p adjusted for its number of comparisons: holm (family-wise error) or bh (FDR)
 )
 
 
@@ -802,9 +822,17 @@ def results(argv):
     files, cfg, rows = csv_verb(argv, "results", RESULTS_DEFAULTS, "RESULTS_DEFAULTS",
                                 "a sweep's tables again, from one or more results.csv (read as one sweep)",
                                 "results.csv", "docs/sweep_mod_cpu.csv")
+    check_adjust(cfg["adjust"])
+    runs = collections.Counter((r["cell"], r["seed"]) for r in rows if r["seed"] is not None and r["status"] == "done")
+    twice = sorted(k for k, n in runs.items() if n > 1)
+    if twice:
+        raise ConfigError(f"{len(twice)} cell and seed pairs have two finished runs (e.g. {twice[0][0]} seed "
+                          f"{twice[0][1]}): a CSV read twice, or a budgets sweep's CSV (every budget in one): pass "
+                          f"each CSV once, one budget's (out/<sweep>/b<budget>/results.csv), or read it with "
+                          f"python flops.py multiplier")
     cells = aggregate(rows)
     check_baseline(cfg["baseline"], [c["cell"] for c in cells])
-    text = results_markdown(rows, cells, " + ".join(files), cfg["baseline"])
+    text = results_markdown(rows, cells, " + ".join(files), cfg["baseline"], cfg["adjust"])
     print(text, end="")
     return text
 
@@ -828,7 +856,7 @@ def plot_results(cells, budget, path):
             ax.errorbar([c["val_loss"] for c in done], y, xerr=[c["val_loss_std"] or 0 for c in done], fmt="o",
                         capsize=3, label="mean ± std")
             for yi, c in zip(y, done):
-                ax.plot(c["losses"], [yi] * len(c["losses"]), ".", color="gray", alpha=0.6)
+                ax.plot(list(c["losses"].values()), [yi] * len(c["losses"]), ".", color="gray", alpha=0.6)
             ax.set_yticks(list(y), [c["cell"] for c in done], fontsize=8)
             ax.set_xlabel("final val loss")
             ax.set_title(f"each cell{'' if budget is None else f' at {budget:.3g} FLOPs'} "
@@ -951,10 +979,10 @@ def plan(argv):
 
 MULTIPLIER_DEFAULTS = dict(
     baseline=None,  # the cell each cell is measured against; None: its depth's prenorm cell, else its first
-    boot=1000,  # bootstrap draws (the baseline's and the cell's runs at every budget) for the 95% intervals
-    boot_seed=0,  # the bootstrap's seed: the same CSVs print the same intervals
-    step_times="",  # bench.py --section=steps's CSV: adds the throughput-adjusted multiplier on its device
-    out=None,  # the figure; None: <first csv without .csv>_multiplier.png beside it, or in out/ for a CSV in docs/
+    step_times="",  # bench.py --section=steps's CSVs, one per bench run, comma-separated: adds the throughput-
+    #                 adjusted multiplier on their device (3 runs or more: the drift between runs is in its interval)
+    out=None,  # the figure; None: <first csv without .csv>_multiplier.png beside it, or in out/ for a CSV in docs/;
+    #            with depths, the frontier figure beside it (_frontier.png)
 )
 
 
@@ -968,8 +996,6 @@ def multiplier(argv):
     files, cfg, rows = csv_verb(argv, "multiplier", MULTIPLIER_DEFAULTS, "MULTIPLIER_DEFAULTS",
                                 "compute multipliers from a budget sweep's results.csv (a sweep config with "
                                 "budgets = [...])", "results.csv of a budget sweep", "out/<sweep>/results.csv")
-    if isinstance(cfg["boot"], bool) or not isinstance(cfg["boot"], int) or cfg["boot"] < 10:
-        raise ConfigError(f"boot must be a whole number of bootstrap draws >= 10, got {cfg['boot']!r}")
     cells = aggregate(rows)
     check_baseline(cfg["baseline"], [c["cell"] for c in cells])
     pairs = {c: b for c, b in baselines(cells, cfg["baseline"]).items() if c != b}
@@ -977,13 +1003,16 @@ def multiplier(argv):
         text = "No cell to compare: every cell is its own depth's baseline (--baseline=CELL names one).\n"
         print(text, end="")
         return text
-    text, results = mult.report(rows, pairs, cfg["boot"], cfg["boot_seed"], cfg["step_times"])
+    text, results = mult.report(rows, pairs, cfg["step_times"])
     name = os.path.splitext(files[0])[0] + "_multiplier.png"
     in_docs = os.path.dirname(os.path.abspath(files[0])) == os.path.join(HERE, "docs")
     path = cfg["out"] or (os.path.join(HERE, "out", os.path.basename(name)) if in_docs else name)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     mult.plot(rows, results, path)
     text += f"\nfigure: {path}\n"
+    front = mult.plot_frontier(rows, pairs, re.sub(r"_multiplier$", "", os.path.splitext(path)[0]) + "_frontier.png")
+    if front:
+        text += f"frontier figure: {front}\n"
     print(text, end="")
     return text
 
@@ -1014,98 +1043,165 @@ def optimizer_key(row):
 
 
 def gain_change(design_muon, base_muon, design_adamw, base_adamw):
-    """Whether a design's Δ to the baseline differs between the optimizers: (Δ Muon) - (Δ AdamW), four
-    independent cells of seeds, its standard error from the four cells' sample variances and the
-    Welch-Satterthwaite degrees of freedom; returns (difference, two-sided p), p None when a cell has
-    fewer than 2 seeds or none has spread. > 0: the gain is smaller under Muon."""
-    from scipy import stats
-    cells = (design_muon, base_muon, design_adamw, base_adamw)
-    if min(map(len, cells)) < 2:
-        return None, None
-    means, varns = zip(*[(m, s ** 2 / len(v)) for v in cells for m, s in [run_config.mean_std(v)]])
-    diff = (means[0] - means[1]) - (means[2] - means[3])
-    se2 = sum(varns)
-    if se2 == 0:
-        return diff, None
-    df = se2 ** 2 / sum(w ** 2 / (len(v) - 1) for w, v in zip(varns, cells))
-    return diff, float(2 * stats.t.sf(abs(diff) / se2 ** 0.5, df))
+    """Whether a design's Δ to the baseline differs between the optimizers: (Δ Muon) - (Δ AdamW), each Δ
+    stats.compare's of two cells ({seed: loss} each). Where both Δs are paired on the same seeds, a paired
+    t-test on the per-seed (Δ Muon_s - Δ AdamW_s): a seed fixes the init and the batches under both optimizers,
+    so the two Δs of one seed move together. Else the two Δs as independent estimates, with the
+    Welch-Satterthwaite degrees of freedom (stats.combine; with both Δs Welch's, those of the four cells).
+    Returns compare()'s dict (diff, p, test, n, ...; p None where neither Δ has spread), or None when either Δ has
+    nothing to test (a cell with fewer than 2 seeds). diff > 0: a smaller gain under Muon."""
+    adamw, muon = stats.compare(design_adamw, base_adamw), stats.compare(design_muon, base_muon)
+    if adamw is None or muon is None:
+        return None
+    per_seed = lambda design, base: {s: design[s] - base[s] for s in set(design) & set(base)}  # noqa: E731
+    d_muon, d_adamw = per_seed(design_muon, base_muon), per_seed(design_adamw, base_adamw)
+    if adamw["test"] == muon["test"] == "paired t" and set(d_muon) == set(d_adamw):
+        return stats.paired(d_muon, d_adamw)
+    c = stats.combine(dict(muon, value=muon["diff"]), dict(adamw, value=adamw["diff"]), sign=-1)
+    return dict(diff=c["value"], ci=c["ci"], p=c["p"], se=c["se"], df=c["df"], test="Welch-Satterthwaite",
+                n=(muon["n"], adamw["n"]), significant=c["p"] is not None and c["p"] < stats.ALPHA)
 
 
-def optimizer_verdict(adamw, muon):
-    """Whether AdamW's gain over prenorm survives Muon, from each one's welch() (p < 0.05 and the sign);
-    "–" where either has nothing to test (a cell with fewer than 2 seeds, or no spread)."""
-    if adamw is None or muon is None or adamw["p"] is None or muon["p"] is None:
-        return run_config.MISSING
-    word = lambda w: "gain" if w["significant"] and w["diff"] < 0 else "worse" if w["significant"] else "n.s."  # noqa: E731
-    a, m = word(adamw), word(muon)
+def optimizer_verdict(adamw, muon, p_adamw, p_muon):
+    """Whether AdamW's gain over prenorm survives Muon, from each Δ's compare() and its adjusted p (< 0.05 and
+    the sign); "–" where either has nothing to test (a cell with fewer than 2 seeds, or no spread)."""
+    if adamw is None or muon is None or p_adamw is None or p_muon is None:
+        return stats.MISSING
+    word = lambda w, p: ("gain" if w["diff"] < 0 else "worse") if p < stats.ALPHA else "n.s."  # noqa: E731
+    a, m = word(adamw, p_adamw), word(muon, p_muon)
     return {("gain", "gain"): "survives", ("gain", "n.s."): "n.s. under Muon", ("gain", "worse"): "reversed",
             ("n.s.", "gain"): "only under Muon"}.get((a, m), "n.s. under both" if a == m == "n.s." else f"{a} → {m}")
 
 
-def optimizers_table(rows, baseline="prenorm"):
-    """Markdown: per depth and budget, each design's final val loss under AdamW and under Muon, its
-    difference to the baseline design under the same optimizer (Welch p), whether the gain survives,
-    and Muon's own gain over AdamW for the design. A design appears where both optimizers ran it.
-    A run read twice (the same design, depth, budget and seed in two CSVs) counts once."""
-    losses, seen, twice = {}, set(), 0
+def optimizer_losses(rows):
+    """{optimizer_key: {seed: final val loss}} of the finished rows, {optimizer_key: {train FLOPs per token}}, and
+    the number of runs read twice (the same key and seed in two CSVs: counted once). A row without a seed is
+    keyed by its run name (paired with nothing)."""
+    losses, flops_per_token, twice = {}, {}, 0
     for r in rows:
         if r["status"] != "done":
             continue
         key = optimizer_key(r)
-        if (key, r["seed"]) in seen:
+        seed = r["seed"] if r.get("seed") is not None else r["run"]
+        if seed in losses.get(key, {}):
             twice += 1
             continue
-        seen.add((key, r["seed"]))
-        losses.setdefault(key, []).append(r["val_loss"])
-    fmt_p = lambda w: "–" if w is None or w["p"] is None else f"{w['diff']:+.4f} (p = {w['p']:.2g})"  # noqa: E731
-    mean = lambda v: "–" if not v else f"{run_config.mean_std(v)[0]:.4f}" + (  # noqa: E731
-        f" ± {run_config.mean_std(v)[1]:.4f}" if len(v) > 1 else "") + f" ({len(v)})"
-    lines = [f"Final val loss, mean ± std (seeds), under each optimizer; Δ vs {baseline} under the same optimizer "
-             f"with Welch's p; a gain is Δ < 0 at p < 0.05 (n.s.: not significant, neither a match nor a "
-             f"difference). Δ change: Δ under Muon minus Δ under AdamW, with its p (Welch-Satterthwaite over the "
-             f"four cells; > 0: a smaller gain under Muon). Muon − AdamW: the design's loss under Muon minus under "
-             f"AdamW." + (f" {twice} run(s) read twice counted once." if twice else "")]
+        losses.setdefault(key, {})[seed] = r["val_loss"]
+        if r.get("train_flops_per_token") is not None:
+            flops_per_token.setdefault(key, set()).add(r["train_flops_per_token"])
+    return losses, flops_per_token, twice
+
+
+def optimizers_table(rows, baseline="prenorm", adjust="bh"):
+    """Markdown: per depth and budget, each design's final val loss under AdamW and under Muon, its
+    difference to the baseline design under the same optimizer (stats.compare: paired on shared seeds),
+    whether the gain survives, the change of the difference between the optimizers (gain_change), and Muon's
+    own gain over AdamW for the design. Each kind of test over every table is one family, its p adjusted by
+    `adjust` (stats.ADJUST); the verdicts follow the adjusted p. A design appears where both optimizers ran it."""
+    losses, flops_per_token, twice = optimizer_losses(rows)
+    tables = []  # (depth, budget, Muon's setting, designs)
     for L, budget, muon in sorted({(L, b, o) for (o, _, L, b) in losses if o != "adamw"}):
         designs = [d for (o, d, l, b) in losses if o == muon and (l, b) == (L, budget)
                    and ("adamw", d, L, budget) in losses]
-        if baseline not in designs:
-            continue
-        designs = [baseline] + sorted(d for d in dict.fromkeys(designs) if d != baseline)
+        if baseline in designs:
+            tables.append((L, budget, muon, [baseline] + sorted(d for d in dict.fromkeys(designs) if d != baseline)))
+    if not tables:
+        raise ConfigError(f"no depth and budget with {baseline} under both AdamW and Muon in these CSVs: pass the "
+                          f"AdamW sweeps' CSVs and the Muon sweep's together (e.g. python flops.py optimizers "
+                          f"docs/sweep_muon_cpu_5e12.csv docs/sweep_multiplier_cpu.csv)")
+    tests = {}  # (family, table index, design): compare()'s dict or None
+    for i, (L, budget, muon, designs) in enumerate(tables):
+        get = lambda o, d: losses[(o if o == "adamw" else muon, d, L, budget)]  # noqa: E731
+        for d in designs:
+            # different optimizers' runs are different experiments: Muon - AdamW is Welch's, never paired
+            tests[("own", i, d)] = stats.welch(list(get("muon", d).values()), list(get("adamw", d).values()))
+            if d != baseline:
+                tests[("adamw", i, d)] = stats.compare(get("adamw", d), get("adamw", baseline))
+                tests[("muon", i, d)] = stats.compare(get("muon", d), get("muon", baseline))
+                tests[("change", i, d)] = gain_change(get("muon", d), get("muon", baseline), get("adamw", d),
+                                                      get("adamw", baseline))
+    adjusted, family = {}, {}
+    for kind in ("adamw", "muon", "change", "own"):
+        keys = [k for k in tests if k[0] == kind]
+        ps = stats.ADJUST[adjust]([None if tests[k] is None else tests[k]["p"] for k in keys])
+        adjusted |= dict(zip(keys, ps))
+        family[kind] = sum(p is not None for p in ps)
+    short = stats.ADJUST_SHORT[adjust]
+
+    def cell(key):
+        w, p = tests[key], adjusted[key]
+        if w is None or p is None:
+            return stats.MISSING
+        say = lambda x: f"< {x[1:]}" if x.startswith("<") else f"= {x}"  # noqa: E731  (fmt_p's <1e-4)
+        return (f"{w['diff']:+.4f} ({stats.describe_test(w)}; p {say(stats.fmt_p(w['p']))}, {short} "
+                f"{say(stats.fmt_p(p))}{' *' if p < stats.ALPHA else ''})")
+
+    mean = lambda v: "–" if not v else f"{stats.mean_std(v)[0]:.4f}" + (  # noqa: E731
+        f" ± {stats.mean_std(v)[1]:.4f}" if len(v) > 1 else "") + f" ({len(v)})"
+    lines = [f"Final val loss, mean ± std (seeds), under each optimizer; Δ vs {baseline} under the same optimizer: "
+             f"a paired t-test on the seeds both cells ran (Welch's where they share fewer than 2), n in brackets; a "
+             f"gain is Δ < 0 at an adjusted p < 0.05 (n.s.: not significant, neither a match nor a difference). "
+             f"Δ change: Δ under Muon minus Δ under AdamW (> 0: a smaller gain under Muon): a paired t-test on the "
+             f"per-seed differences of the two Δs where both are paired on the same seeds, else Welch-Satterthwaite "
+             f"over the two Δs. Muon − AdamW: the design's loss under Muon minus under AdamW (Welch: different "
+             f"runs). p is each test's own; {short} is p adjusted by {stats.ADJUST_NAMES[adjust]} over its family, "
+             f"the same column of every table below: {family['adamw']} Δs under AdamW, {family['muon']} under Muon, "
+             f"{family['change']} Δ changes, {family['own']} Muon − AdamW; * and the verdicts follow the adjusted p "
+             f"(< 0.05)." + (f" {twice} run(s) read twice counted once." if twice else "")]
+    for i, (L, budget, muon, designs) in enumerate(tables):
         get = lambda o, d: losses[(o if o == "adamw" else muon, d, L, budget)]  # noqa: E731
         lines += ["", f"**{L} layers, {budget:.3g} FLOPs**" + (f" (Muon: {muon[5:]})" if muon != "muon" else ""), "",
                   f"| design | AdamW | Δ vs {baseline} (AdamW) | Muon | Δ vs {baseline} (Muon) | the gain | "
                   f"Δ change | Muon − AdamW |", "|" + "---|" * 8]
+        notes = []
         for d in designs:
-            own = run_config.welch(get("muon", d), get("adamw", d))
+            a, m = get("adamw", d).values(), get("muon", d).values()
             if d == baseline:
-                lines.append(f"| {d} | {mean(get('adamw', d))} | – | {mean(get('muon', d))} | – | baseline | – "
-                             f"| {fmt_p(own)} |")
-                continue
-            a = run_config.welch(get("adamw", d), get("adamw", baseline))
-            m = run_config.welch(get("muon", d), get("muon", baseline))
-            change, p = gain_change(get("muon", d), get("muon", baseline), get("adamw", d), get("adamw", baseline))
-            change = "–" if p is None else f"{change:+.4f} (p = {p:.2g})"
-            lines.append(f"| {d} | {mean(get('adamw', d))} | {fmt_p(a)} | {mean(get('muon', d))} | {fmt_p(m)} | "
-                         f"{optimizer_verdict(a, m)} | {change} | {fmt_p(own)} |")
-    if len(lines) == 1:
-        raise ConfigError(f"no depth and budget with {baseline} under both AdamW and Muon in these CSVs: pass the "
-                          f"AdamW sweeps' CSVs and the Muon sweep's together (e.g. python flops.py optimizers "
-                          f"docs/sweep_muon_cpu_5e12.csv docs/sweep_multiplier_cpu.csv)")
+                lines.append(f"| {d} | {mean(list(a))} | – | {mean(list(m))} | – | baseline | – "
+                             f"| {cell(('own', i, d))} |")
+            else:
+                verdict = optimizer_verdict(tests[("adamw", i, d)], tests[("muon", i, d)], adjusted[("adamw", i, d)],
+                                            adjusted[("muon", i, d)])
+                lines.append(f"| {d} | {mean(list(a))} | {cell(('adamw', i, d))} | {mean(list(m))} | "
+                             f"{cell(('muon', i, d))} | {verdict} | {cell(('change', i, d))} | {cell(('own', i, d))} |")
+            fpt = {o: flops_per_token.get((o if o == "adamw" else muon, d, L, budget), set())
+                   for o in ("adamw", "muon")}
+            if fpt["adamw"] and fpt["muon"] and fpt["adamw"] != fpt["muon"]:
+                show = lambda v: " / ".join(f"{x:,.0f}" for x in sorted(v))  # noqa: E731
+                notes.append(f"note: {d}: train FLOPs per token {show(fpt['adamw'])} (AdamW runs) against "
+                             f"{show(fpt['muon'])} (Muon runs): the two optimizers' runs came from different code")
+        lines += [""] + notes if notes else []
+    changes = [(k, tests[k], adjusted[k]) for k in tests if k[0] == "change" and tests[k] is not None]
+    larger = sum(w["diff"] < 0 for _, w, _ in changes)
+    smaller = sum(w["diff"] > 0 for _, w, _ in changes)
+    raw = [k for k, w, _ in changes if w["p"] is not None and w["p"] < stats.ALPHA]
+    survive = [k for k, _, p in changes if p is not None and p < stats.ALPHA]
+    name = lambda k: f"{k[2]} at {tables[k[1]][0]} layers, {tables[k[1]][1]:.3g} FLOPs" + (  # noqa: E731
+        f" (Muon: {tables[k[1]][2][5:]})" if tables[k[1]][2] != "muon" else "")
+    settings = " × Muon setting" if len({t[2] for t in tables}) > 1 else ""
+    lines += ["", f"Over all {len(tables)} tables (depth × budget{settings}): of the {len(changes)} design cells "
+                  f"with a Δ change, the Δ is lower under Muon than under AdamW (a larger gain, or a smaller loss) in "
+                  f"{larger} and higher in {smaller}; {len(raw)} change test(s) have p < 0.05, {len(survive)} of the "
+                  f"{family['change']} survive {stats.ADJUST_NAMES[adjust]} (adjusted p < 0.05)"
+                  + (": " + ", ".join(map(name, survive)) if survive else "") + "."]
     return "\n".join(lines) + "\n"
 
 
 OPTIMIZERS_DEFAULTS = dict(
     baseline="prenorm",  # the design each other is compared with under the same optimizer (its residual and keys)
+    adjust="bh",  # each family's p adjusted for its number of tests: bh (Benjamini-Hochberg, FDR) or holm
 )
 
 
 def optimizers(argv):
-    """python flops.py optimizers results.csv ... [--baseline=DESIGN]: optimizers_table, printed."""
+    """python flops.py optimizers results.csv ... [--baseline=DESIGN] [--adjust=bh|holm]: optimizers_table,
+    printed."""
     files, cfg, rows = csv_verb(argv, "optimizers", OPTIMIZERS_DEFAULTS, "OPTIMIZERS_DEFAULTS",
                                 "AdamW against Muon: each design's gain over prenorm under both, from results.csv "
                                 "files of both optimizers' sweeps", "results.csv files",
                                 "docs/sweep_muon_cpu_5e12.csv docs/sweep_multiplier_cpu.csv")
-    text = optimizers_table(rows, cfg["baseline"])
+    check_adjust(cfg["adjust"])
+    text = optimizers_table(rows, cfg["baseline"], cfg["adjust"])
     print(text, end="")
     return text
 

@@ -9,31 +9,39 @@ each other:
   This is the headline. A loss outside the baseline's measured range needs the end segment extended: that
   figure is flagged "extrapolated" wherever it is printed and left out of the overall figure and the trend.
 - fitted: L = E + A_c (C/s)^-alpha_c for every cell of a depth at once, E shared (one asymptote for all, which
-  a single cell's few budgets cannot pin), alpha_c the baseline's for a cell with fewer than 3 budgets. A fit with a parameter at its bound, or whose multiplier moves
-  by more than the measured figure's interval half-width when one baseline budget is left out, is named
-  degenerate and gives no number.
+  a single cell's few budgets cannot pin), alpha_c the baseline's for a cell with fewer than 3 budgets. A fit
+  with a parameter at its bound, or whose multiplier moves by more than the measured figure's interval
+  half-width when one baseline budget is left out, is named degenerate and gives no number.
 Overall: the geometric mean over the in-range budgets. Per 2x compute: 2^slope of log multiplier on log
-budget, printed with at least MIN_TREND_BUDGETS in-range budgets. 95% intervals: percentile bootstrap,
-the baseline's runs and the cell's runs drawn again (with replacement) at every budget.
+budget, printed with at least MIN_TREND_BUDGETS in-range budgets. A budget where a cell trained fewer than
+MIN_STEPS optimizer steps is printed but flagged "short" and left out of every headline figure: there depth is
+confounded with training length.
+
+Intervals and p-values (stats.py): a sweep runs every cell at the same seeds, so every figure's 95% interval
+comes from the delete-one-seed jackknife, each seed left out of every cell at once (the pairing kept), with
+Student's t at n_seeds - 1 degrees of freedom; p is the two-sided test of "worth its compute" (log multiplier
+0). Each table names its family and prints p raw and Holm-adjusted.
 
 Across depths (cells named <design>_L<depth>): each design's overall multiplier at each depth and its change
-per doubling of depth; the compute-optimal frontier (each design's best depth at each budget, and its
-best-of-depths loss against the baseline's best-of-depths curve); and with bench.py's step times, the
-throughput-adjusted multiplier (FLOP multiplier x the baseline's step time / the cell's).
+per doubling of depth, per budget and pooled, over every measured depth; the compute-optimal frontier (each
+design's best depth at each budget, whether it has a measured depth on both sides, its best-of-depths loss
+against the baseline's, and the compute the baseline's best needs to reach it); and with bench.py's step
+times (one CSV per bench run, pooled with the drift between runs), the throughput-adjusted multiplier (FLOP
+multiplier x the baseline's step time / the cell's).
 """
 
 import csv
 import math
 import re
 import statistics
-import zlib
 
 import numpy as np
 
+import stats
 from configurator import ConfigError
 
-LEVEL = (2.5, 97.5)  # the intervals' percentiles: 95%
 MIN_TREND_BUDGETS = 4  # a per-2x-compute trend needs this many in-range budgets
+MIN_STEPS = 300  # a cell below this many optimizer steps at a budget is "short": no headline figure rests on it
 ALPHA_BOUNDS = (1e-3, 5.0)  # the fit's exponent range; an exponent on either bound: a degenerate fit
 BOUND_TOL = 1e-3  # a fitted parameter this close to a bound (a fraction of its range) is on it
 
@@ -42,13 +50,54 @@ class Degenerate(ValueError):
     """A figure the data cannot give; its message is the one line printed instead of a number."""
 
 
-def budget_groups(rows):
-    """{budget: [(training FLOPs, final val loss)]} of a cell's finished runs."""
+def seed_of(row):
+    """The seed a run shares with the other cells' runs (its run name when the CSV has no seed column)."""
+    return row["seed"] if row.get("seed") is not None else row["run"]
+
+
+def seed_groups(rows):
+    """{budget: {seed: (training FLOPs, final val loss, optimizer steps)}} of a cell's finished runs."""
     out = {}
     for r in rows:
         if r.get("status") == "done" and r.get("val_loss") is not None:
-            out.setdefault(r.get("budget"), []).append((float(r.get("flops") or r["budget"]), float(r["val_loss"])))
+            out.setdefault(r.get("budget"), {})[seed_of(r)] = (float(r.get("flops") or r["budget"]),
+                                                                float(r["val_loss"]), r.get("iters"))
     return out
+
+
+def at_seeds(groups, seeds=None):
+    """Budget groups {budget: [(compute, loss)]} of seed_groups, of the runs at `seeds` (None: all); a budget
+    left without a run is dropped."""
+    out = {b: [(c, y) for s, (c, y, _) in runs.items() if seeds is None or s in seeds] for b, runs in groups.items()}
+    return {b: g for b, g in out.items() if g}
+
+
+def budget_groups(rows):
+    """{budget: [(training FLOPs, final val loss)]} of a cell's finished runs."""
+    return at_seeds(seed_groups(rows))
+
+
+def seeds_in(*groups):
+    """The seeds of every run of the given seed_groups, sorted (a jackknife leaves each out in turn)."""
+    return sorted({s for g in groups for runs in g.values() for s in runs}, key=str)
+
+
+def steps_at(groups, budget):
+    """The mean optimizer steps of a cell's runs at a budget (None when the CSV has no iters)."""
+    steps = [n for _, _, n in groups.get(budget, {}).values() if n is not None]
+    return mean(steps) if steps else None
+
+
+def short(groups, budget):
+    """Whether the cell trained fewer than MIN_STEPS optimizer steps at the budget."""
+    n = steps_at(groups, budget)
+    return n is not None and n < MIN_STEPS
+
+
+def long_enough(groups):
+    """The budgets where a cell trained MIN_STEPS steps or more: a baseline's curve is made of these alone, so
+    that no headline figure is read off a short run's loss."""
+    return {b: g for b, g in groups.items() if not short(groups, b)}
 
 
 def means(groups):
@@ -57,13 +106,28 @@ def means(groups):
 
 
 def mean(values):
-    """The mean of floats (statistics.mean's exact fractions cost most of a bootstrap's time)."""
+    """The mean of floats (statistics.mean's exact fractions are slow, and the jackknife calls this often)."""
     values = list(values)
     return math.fsum(values) / len(values)
 
 
 def geomean(values):
     return math.exp(mean(math.log(v) for v in values))
+
+
+def log_or_none(x):
+    return math.log(x) if x is not None and x > 0 else None
+
+
+def jackknife_log(estimate, seeds):
+    """stats.jackknife of a positive figure estimate(seeds) (None: no figure), on its log; its value, interval
+    and p in the figure's own units are out["m"], out["mci"] (None when a replicate had no figure)."""
+    out = stats.jackknife(lambda s: log_or_none(estimate(s)), seeds)
+    if out is None:
+        return None
+    out["m"] = math.exp(out["value"])
+    out["mci"] = None if out["ci"] is None else tuple(math.exp(x) for x in out["ci"])
+    return out
 
 
 # -----------------------------------------------------------------------------
@@ -132,52 +196,40 @@ def trend(at, budgets):
     return per_doubling(pts)
 
 
+def read_at(base, cell, seeds=None):
+    """read_off() of a cell against its baseline (seed_groups of each) over the runs at `seeds` (None: all);
+    None where the baseline has no curve there."""
+    try:
+        inverse, span = measured_curve(at_seeds(long_enough(base), seeds))
+    except Degenerate:
+        return None
+    return read_off(inverse, span, at_seeds(cell, seeds))
+
+
 def multipliers(base, cell):
-    """The measured estimate of a cell against its baseline (budget groups of each): (at, in-range
-    budgets, overall), at = read_off(). Raises Degenerate when the baseline has no curve."""
-    inverse, span = measured_curve(base)
-    at = read_off(inverse, span, cell)
-    inside = [b for b, (m, ok) in at.items() if ok and m is not None]
+    """The measured estimate of a cell against its baseline (seed_groups of each): (at, headline budgets,
+    overall), at = read_off() off the baseline's long_enough budgets; the headline budgets are those in its
+    range where the cell is not short. Raises Degenerate when the baseline has no curve."""
+    if len(base) >= 2 > len(long_enough(base)):
+        raise Degenerate(f"the baseline trained fewer than {MIN_STEPS} steps at {len(base) - len(long_enough(base))} "
+                         f"of its {len(base)} budgets: too few long enough for a curve")
+    inverse, span = measured_curve(at_seeds(long_enough(base)))
+    at = read_off(inverse, span, at_seeds(cell))
+    inside = [b for b, (m, ok) in at.items() if ok and m is not None and not short(cell, b)]
     return at, inside, overall(at, inside)
 
 
-def resample(rng, groups):
-    """Every budget's runs drawn again with replacement, as many as there are."""
-    return {b: [runs[i] for i in rng.integers(len(runs), size=len(runs))] for b, runs in groups.items()}
+def intervals(base, cell, inside):
+    """The jackknife (jackknife_log) of the multiplier at each budget, of the overall over `inside` and of
+    the per-2x-compute trend: ({budget: jackknife}, overall's, trend's)."""
+    seeds = seeds_in(base, cell)
 
-
-def bootstrap_draws(base, cell, n, seed, names=("", "")):
-    """n resamples (baseline, cell): both drawn again at every budget. Each has its own generator, seeded by
-    seed and its name (names: the baseline's, the cell's), so every cell compared with a baseline meets the
-    same baseline resamples, and two cells are drawn independently."""
-    rb, rc = (np.random.default_rng([seed, k, zlib.crc32(name.encode())]) for k, name in enumerate(names))
-    return [(resample(rb, base), resample(rc, cell)) for _ in range(n)]
-
-
-def interval(values, n):
-    """The LEVEL percentiles of the finite values; None when under half of the n resamples gave one."""
-    v = np.asarray([x for x in values if x is not None and math.isfinite(x)], float)
-    return tuple(float(q) for q in np.percentile(v, LEVEL)) if len(v) and len(v) >= n / 2 else None
-
-
-def bootstrap(base, cell, n, seed, inside, names=("", "")):
-    """Intervals of the measured estimate from n bootstrap_draws: ({budget: interval}, overall's interval,
-    trend's interval, the overall of every draw (None where the draw had no curve)). The overall and the
-    trend of a draw are over the point estimate's in-range budgets `inside`."""
-    per, overalls, trends = {}, [], []
-    for b_draw, c_draw in bootstrap_draws(base, cell, n, seed, names):
-        try:
-            inverse, span = measured_curve(b_draw)
-        except Degenerate:
-            overalls.append(None)
-            trends.append(None)
-            continue
-        at = read_off(inverse, span, c_draw)
-        for b, (m, _) in at.items():
-            per.setdefault(b, []).append(m)
-        overalls.append(overall(at, inside))
-        trends.append(trend(at, inside))
-    return {b: interval(v, n) for b, v in per.items()}, interval(overalls, n), interval(trends, n), overalls
+    def at_budget(b):
+        return lambda s: (read_at(base, cell, s) or {}).get(b, (None,))[0]
+    per = {b: jackknife_log(at_budget(b), seeds) for b in cell}
+    whole = jackknife_log(lambda s: overall(read_at(base, cell, s) or {}, inside), seeds)
+    slope = jackknife_log(lambda s: trend(read_at(base, cell, s) or {}, inside), seeds)
+    return per, whole, slope
 
 
 # -----------------------------------------------------------------------------
@@ -268,6 +320,9 @@ def fit_check(groups_by_cell, base_name, cell_names, inside, cis):
 # -----------------------------------------------------------------------------
 # across depths: each design at each depth, and the compute-optimal frontier
 
+# -----------------------------------------------------------------------------
+# across depths: each design at each depth, and the compute-optimal frontier
+
 def design_of(row):
     """A cell's design: its name without the _L<n_layer> suffix that the depth sweeps add."""
     return re.sub(rf"_L{row['n_layer']}$", "", row["cell"]) if row.get("n_layer") is not None else row["cell"]
@@ -282,84 +337,241 @@ def depth_slope(by_depth):
     return per_doubling(pts)
 
 
-def frontier_curve(groups_by_depth):
-    """The best-of-depths curve: at each budget where every depth was measured, the lowest mean loss over
-    the depths ({depth: budget groups}). Returns ({budget: (best depth, loss, compute)}, inverse, span):
-    measured_curve's reading of it (None, None where it has no curve)."""
-    budgets = set.intersection(*(set(g) for g in groups_by_depth.values()))
-    best = {}
-    for b in sorted(budgets):
-        pts = {d: (mean(y for _, y in g[b]), mean(x for x, _ in g[b]))
-               for d, g in groups_by_depth.items()}
-        d = min(pts, key=lambda k: pts[k][0])
-        best[b] = (d, *pts[d])
-    try:
-        inverse, span = measured_curve({b: [(c, y)] for b, (_, y, c) in best.items()})
-    except Degenerate:
-        inverse, span = None, None
-    return best, inverse, span
+def best_depth(groups_by_depth, budget, seeds=None):
+    """(depth, mean loss) of the lowest mean loss at a budget among the depths measured there ({depth:
+    seed_groups}), over the runs at `seeds`; a short depth (fewer than MIN_STEPS steps) is never the best.
+    None without a depth."""
+    pts = {}
+    for d, g in groups_by_depth.items():
+        runs = at_seeds({budget: g[budget]}, seeds) if budget in g and not short(g, budget) else {}
+        if runs:
+            pts[d] = mean(y for _, y in runs[budget])
+    if not pts:
+        return None
+    d = min(pts, key=pts.get)
+    return d, pts[d]
 
 
-def frontier(base_by_depth, design_by_depth):
-    """At each budget the design has at every one of its depths: (its best depth, the baseline's best
-    depth, the frontier multiplier or None, in range?): the compute at which the baseline's best-of-depths
-    curve reaches the design's best-of-depths loss, over the design's compute there."""
-    base_best, inverse, span = frontier_curve(base_by_depth)
-    mine, _, _ = frontier_curve(design_by_depth)
+def on_edge(groups_by_depth, budget, depth):
+    """Whether `depth` lacks a measured depth on one side at the budget: the shallowest or the deepest run
+    there (a short depth counts as measured: it bounds the optimum though it cannot be it)."""
+    measured = [d for d, g in groups_by_depth.items() if budget in g]
+    return depth == min(measured) or depth == max(measured)
+
+
+def best_curve(groups_by_depth, seeds=None):
+    """The best-of-depths curve ({depth: seed_groups}): {budget: (best depth, mean loss, mean compute)} at every
+    budget with a best depth, over the runs at `seeds`."""
     out = {}
-    for b, (d, loss, c) in mine.items():
-        m = inverse(loss) / c if inverse is not None and inverse(loss) else None
-        out[b] = (d, base_best.get(b, (None,))[0], m, span is not None and span[0] <= loss <= span[1])
+    for b in sorted({b for g in groups_by_depth.values() for b in g}):
+        best = best_depth(groups_by_depth, b, seeds)
+        if best is not None:
+            d, loss = best
+            out[b] = (d, loss, mean(c for c, _ in at_seeds({b: groups_by_depth[d][b]}, seeds)[b]))
     return out
 
 
-def frontier_bootstrap(base_by_depth, design_by_depth, n, seed):
-    """The frontier from n resamples (every (depth, budget) group of both drawn again): per budget, the
-    multiplier's interval, the share of draws where each design's best depth was d, and the share where
-    the design's best depth differs from the baseline's."""
-    rng = np.random.default_rng([seed, 2])
-    ms, best, moved = {}, {}, {}
-    for _ in range(n):
-        fb = {d: resample(rng, base_by_depth[d]) for d in sorted(base_by_depth)}  # sorted: the same draws
-        fd = {d: resample(rng, design_by_depth[d]) for d in sorted(design_by_depth)}  # in every process
-        for b, (d, d_base, m, _) in frontier(fb, fd).items():
-            ms.setdefault(b, []).append(m)
-            best.setdefault(b, []).append(d)
-            moved.setdefault(b, []).append(d != d_base)
-    return ({b: interval(v, n) for b, v in ms.items()},
-            {b: {d: v.count(d) / len(v) for d in sorted(set(v))} for b, v in best.items()},
-            {b: sum(v) / len(v) for b, v in moved.items()})
+def frontier_at(base_by_depth, design_by_depth, budget, seeds=None):
+    """The frontier multiplier at a budget, over the runs at `seeds`: the compute at which the baseline's
+    best-of-depths curve reaches the design's best-of-depths loss, over the design's compute there. Raises
+    Degenerate (its reason) where an optimum it rests on is on the grid's edge (the design's at this budget,
+    or the baseline's at either budget of the curve segment it reads), or the loss is outside the curve."""
+    mine, curve = best_curve(design_by_depth, seeds), best_curve(base_by_depth, seeds)
+    if budget not in mine:
+        raise Degenerate("no depth of the design with enough steps here")
+    d, loss, c = mine[budget]
+    if on_edge(design_by_depth, budget, d):
+        raise Degenerate(f"the design's optimum ({d} layers) is on the grid's edge")
+    pts = sorted((cb, y, b) for b, (_, y, cb) in curve.items())
+    if len(pts) < 2 or not all(y2 < y1 for (_, y1, _), (_, y2, _) in zip(pts, pts[1:])):
+        raise Degenerate("the baseline's best-of-depths loss does not fall with every budget")
+    if not pts[-1][1] <= loss <= pts[0][1]:
+        raise Degenerate("the design's best loss is outside the baseline's best-of-depths range")
+    k = next(k for k in range(1, len(pts)) if loss >= pts[k][1])  # the segment pts[k-1]..pts[k]
+    for _, _, b in (pts[k - 1], pts[k]):
+        if on_edge(base_by_depth, b, curve[b][0]):
+            raise Degenerate(f"the baseline's optimum at {b:.3g} ({curve[b][0]} layers) is on the grid's edge")
+    inverse, _ = measured_curve({b: [(curve[b][2], curve[b][1])] for b in curve})
+    return inverse(loss) / c
+
+
+def best_gap(base_by_depth, design_by_depth, budget, seeds=None):
+    """The design's best-of-depths mean loss minus the baseline's at a budget (negative: its best model is
+    better), the best depths chosen over the runs at `seeds`; None without both."""
+    a, b = best_depth(design_by_depth, budget, seeds), best_depth(base_by_depth, budget, seeds)
+    return None if a is None or b is None else a[1] - b[1]
+
+
+def depth_cells(rows, pairs):
+    """{design: {depth: seed_groups}} of every cell in pairs (the cells and their baselines) and of every depth
+    of a baseline's design (its best depth is chosen among all it ran)."""
+    groups, by = {}, {}
+    for r in rows:
+        groups.setdefault(r["cell"], []).append(r)
+    bases = {design_of(groups[b][0]) for b in pairs.values()}  # a baseline's every depth, compared or not
+    for cell in sorted({*pairs, *pairs.values(), *(c for c, rs in groups.items() if design_of(rs[0]) in bases)}):
+        r = groups[cell][0]
+        by.setdefault(design_of(r), {})[r["n_layer"]] = seed_groups(groups[cell])
+    return by
+
+
+def adjusted_column(ps):
+    """Holm's adjustment of a table's p-values, formatted (stats.fmt_p), in order."""
+    return [stats.fmt_p(p) for p in stats.holm(ps)]
+
+
+def fjk(j):
+    """A jackknife's value and interval as the tables print them."""
+    if j is None:
+        return "-", "-"
+    return fmt(j["m"]), fci(j["mci"])
+
+
+def depth_lines(rows, results, pairs):
+    """Each design's overall multiplier at each depth, and its change per doubling of depth over every
+    measured depth with a headline figure: at each budget, and pooled (the overall multipliers)."""
+    layers = {r["cell"]: r["n_layer"] for r in rows}
+    names = {r["cell"]: design_of(r) for r in rows}
+    by = {}
+    for cell, r in results.items():
+        if r["why"] is None:
+            by.setdefault(names[cell], {})[layers[cell]] = (cell, r)
+    depths = sorted({d for v in by.values() for d in v})
+    if len(depths) < 2:
+        return []
+    table = ["| design | " + " | ".join(f"{d} layers" for d in depths) + " |", "|" + "---|" * (len(depths) + 1)]
+    for name, rs in by.items():
+        table.append(f"| {name} | " + " | ".join(
+            "-" if d not in rs else "none in range" if rs[d][1]["overall"] is None else
+            f"{fmt(rs[d][1]['overall'])} ({fci(rs[d][1]['ci'] and rs[d][1]['ci']['mci'])})" for d in depths) + " |")
+    trends = []  # (design, budget label, jackknife)
+    for name, rs in by.items():
+        if len(rs) < 2:
+            continue
+        cells = {d: (pairs_cell, r) for d, (pairs_cell, r) in rs.items()}
+        seeds = seeds_in(*[r["cell_groups"] for _, r in cells.values()], *[r["base_groups"] for _, r in cells.values()])
+        for b in sorted({b for _, r in cells.values() for b in r["inside"]}):
+            have = {d: r for d, (_, r) in cells.items() if b in r["inside"]}
+            if len(have) >= 2:
+                est = lambda s, have=have, b=b: depth_slope(  # noqa: E731
+                    {d: (read_at(r["base_groups"], r["cell_groups"], s) or {}).get(b, (None,))[0]
+                     for d, r in have.items()})
+                trends.append((name, f"{b:.3g} ({', '.join(map(str, sorted(have)))} layers)", jackknife_log(est, seeds)))
+        have = {d: r for d, (_, r) in cells.items() if r["overall"] is not None}
+        if len(have) >= 2:
+            est = lambda s, have=have: depth_slope(  # noqa: E731
+                {d: overall(read_at(r["base_groups"], r["cell_groups"], s) or {}, r["inside"]) for d, r in have.items()})
+            trends.append((name, f"pooled ({', '.join(map(str, sorted(have)))} layers)", jackknife_log(est, seeds)))
+    adj = stats.holm([j and j["p"] for _, _, j in trends])
+    lines = ["", "By depth: each design's overall multiplier (its headline budgets) at each depth, with its 95% "
+             "interval.", "", *table, "",
+             f"Change per doubling of depth: 2^slope of log multiplier on log2 depth over every depth with a "
+             f"figure, at each budget (a budget-specific trend) and pooled (the overall multipliers). Family: the "
+             f"{sum(j is not None and j['p'] is not None for _, _, j in trends)} trends of this table, p Holm-"
+             f"adjusted; the verdict follows the adjusted p.", "",
+             "| design | budget (depths) | per 2x depth | 95% interval | p | p (Holm) | verdict |", "|" + "---|" * 7]
+    for (name, label, j), pa in zip(trends, adj):
+        shown = fjk(j)
+        word = ("-" if pa is None else "grows with depth" if pa < stats.ALPHA and j["value"] > 0 else
+                "shrinks with depth" if pa < stats.ALPHA else "no trend at 95% (adjusted)")
+        lines.append(f"| {name} | {label} | {shown[0]} | {shown[1]} | {stats.fmt_p(j and j['p'])} | "
+                     f"{stats.fmt_p(pa)} | {word} |")
+    return lines
+
+
+def frontier_lines(rows, pairs):
+    """The compute-optimal frontier of each design against its baseline's, over their depths, at each budget
+    the design ran: both optima with the depths on their sides, the frontier multiplier where both are
+    bracketed, the best model against the best model (a loss difference), and whether the design moves the
+    optimum (its loss at the baseline's best depth against at its own)."""
+    by = depth_cells(rows, pairs)
+    design = {r["cell"]: design_of(r) for r in rows}
+    found = []
+    for base in sorted({design[b] for b in pairs.values()}):
+        for name in sorted({design[c] for c, b in pairs.items() if design[b] == base}):
+            if len(by[name]) < 2 or len(by[base]) < 2:
+                continue
+            seeds = seeds_in(*by[name].values(), *by[base].values())
+            for b in sorted({b for g in by[name].values() for b in g}):
+                mine, theirs = best_depth(by[name], b), best_depth(by[base], b)
+                if mine is None or theirs is None:
+                    continue
+                try:
+                    frontier_at(by[base], by[name], b)
+                    front, why = jackknife_log(lambda s, b=b, n=name, k=base: _frontier_or_none(by[k], by[n], b, s),
+                                               seeds), ""
+                except Degenerate as err:
+                    front, why = None, str(err)
+                gap = stats.jackknife(lambda s, b=b, n=name, k=base: best_gap(by[k], by[n], b, s), seeds)
+                moved = None
+                if mine[0] != theirs[0] and theirs[0] in by[name] and b in by[name][theirs[0]]:
+                    at_theirs = {s: y for s, (_, y, _) in by[name][theirs[0]][b].items()}
+                    at_mine = {s: y for s, (_, y, _) in by[name][mine[0]][b].items()}
+                    moved = stats.paired(at_theirs, at_mine)
+                found.append((name, base, b, mine, theirs, front, why, gap, moved))
+    if not found:
+        return []
+    gap_adj = stats.holm([g and g["p"] for *_, g, _ in found])
+    move_adj = stats.holm([m and m["p"] for *_, m in found])
+    lines = ["", "The compute-optimal frontier: at each budget, each design's best depth and the baseline's (the "
+             "lowest mean loss among the depths with enough steps; 'edge': no measured depth on one side, so the "
+             "optimum may lie beyond the grid), the frontier multiplier (the compute at which the baseline's "
+             "best-of-depths curve reaches the design's best-of-depths loss, over the design's compute; printed only "
+             "where both optima it rests on are bracketed), the best model against the best model (the design's "
+             "best mean loss minus the baseline's, the best depths chosen again in every jackknife replicate), and "
+             "whether the design moves the optimum (its loss at the baseline's best depth minus at its own, paired "
+             "t). Two families, each Holm-adjusted: the best-against-best differences and the moves.", "",
+             "| design | baseline | budget | its best depth | baseline's best depth | frontier multiplier | "
+             "95% interval | best - best (95% interval) | p (Holm) | moves the optimum? | p (Holm) |",
+             "|" + "---|" * 11]
+    for (name, base, b, mine, theirs, front, why, gap, moved), ga, ma in zip(found, gap_adj, move_adj):
+        edge = lambda groups, d: f"{d} (edge)" if on_edge(groups, b, d) else f"{d}"  # noqa: E731
+        shown = fjk(front) if front is not None else (f"none: {why}", "-")
+        gap_shown = "-" if gap is None else f"{gap['value']:+.4f}" + (
+            "" if gap["ci"] is None else f" ({gap['ci'][0]:+.4f}, {gap['ci'][1]:+.4f})")
+        gap_p = "-" if gap is None else f"{stats.fmt_p(gap['p'])} ({stats.fmt_p(ga)})"
+        if mine[0] == theirs[0]:
+            move, move_p = "no: the same best depth", "-"
+        elif moved is None:
+            move, move_p = f"best depth {mine[0]}, not run at {theirs[0]}", "-"
+        else:
+            move = (f"yes: {moved['diff']:+.4f} at {theirs[0]} layers" if ma is not None and ma < stats.ALPHA else
+                    f"not significant: {moved['diff']:+.4f} at {theirs[0]} layers")
+            move_p = f"{stats.fmt_p(moved['p'])} ({stats.fmt_p(ma)})"
+        lines.append(f"| {name} | {base} | {'-' if b is None else f'{b:.3g}'} | {edge(by[name], mine[0])} | "
+                     f"{edge(by[base], theirs[0])} | "
+                     f"{shown[0]} | {shown[1]} | {gap_shown} | {gap_p} | {move} | {move_p} |")
+    return lines
+
+
+def _frontier_or_none(base_by_depth, design_by_depth, budget, seeds):
+    try:
+        return frontier_at(base_by_depth, design_by_depth, budget, seeds)
+    except Degenerate:
+        return None
 
 
 # -----------------------------------------------------------------------------
 # step times: the throughput-adjusted multiplier
 
-def read_step_times(path):
-    """bench.py --section=steps's CSV: ({cell: [the cell's step time over its baseline's, one per round]},
-    the device it was measured on)."""
-    try:
-        with open(path, newline="") as f:
-            rows = list(csv.DictReader(f))
-        ratios = {}
-        for r in rows:
-            ratios.setdefault(r["cell"], []).append(float(r["ms"]) / float(r["baseline_ms"]))
-        devices = sorted({r["device"] for r in rows})
-    except (OSError, KeyError, ValueError, csv.Error):
-        raise ConfigError(f"step_times={path} is not bench.py's step times: make it with python bench.py "
-                          f"--section=steps --sweep=config/<sweep>.py --steps_out={path}") from None
-    return ratios, " + ".join(devices)
-
-
-def adjusted(overall_draws, m, ratios, seed):
-    """The throughput-adjusted multiplier m / median(ratios) and its interval: each bootstrap draw of the
-    FLOP multiplier over the median of a resample of the rounds' step-time ratios. Returns (value,
-    interval, the median ratio, its interval)."""
-    rng = np.random.default_rng([seed, 3])
-    ratios = np.asarray(ratios, float)
-    med = [float(np.median(ratios[rng.integers(len(ratios), size=len(ratios))])) for _ in overall_draws]
-    n = len(overall_draws)
-    return (m / float(np.median(ratios)), interval([o / r if o is not None else None for o, r in zip(overall_draws, med)], n),
-            float(np.median(ratios)), interval(med, n))
+def read_step_times(paths):
+    """bench.py --section=steps's CSVs, one per bench run (a comma-separated list): ({cell: [[the log of the
+    cell's step time over its baseline's, one per round] per run]}, the devices they were measured on)."""
+    runs, devices = {}, set()
+    for path in [p for p in paths.split(",") if p]:
+        try:
+            with open(path, newline="") as f:
+                rows = list(csv.DictReader(f))
+            here = {}
+            for r in rows:
+                here.setdefault(r["cell"], []).append(math.log(float(r["ms"]) / float(r["baseline_ms"])))
+            devices |= {r["device"] for r in rows}
+        except (OSError, KeyError, ValueError, csv.Error):
+            raise ConfigError(f"step_times={path} is not bench.py's step times: make it with python bench.py "
+                              f"--section=steps --sweep=config/<sweep>.py --steps_out={path}") from None
+        for cell, v in here.items():
+            runs.setdefault(cell, []).append(v)
+    return runs, " + ".join(sorted(devices))
 
 
 # -----------------------------------------------------------------------------
@@ -380,13 +592,14 @@ def verdict(ci, what):
     return f"grows with {what}" if ci[0] > 1 else f"shrinks with {what}" if ci[1] < 1 else "no trend at 95%"
 
 
-def compare(rows, pairs, boot, seed):
-    """Every cell against its baseline (pairs: {cell: baseline cell}): {cell: dict(base, at, inside,
-    overall, cis, ci, trend, ci_trend, draws, fitted, why)}, and {baseline: its depth's fit or why none}."""
+def compare(rows, pairs):
+    """Every cell against its baseline (pairs: {cell: baseline cell}): {cell: dict(base, at, inside, overall,
+    cis, ci, trend, ci_trend, fitted, why, base_groups, cell_groups)} (cis, ci, ci_trend: jackknifes), and
+    {baseline: its depth's fit or why none}."""
     groups = {}
     for r in rows:
         groups.setdefault(r["cell"], []).append(r)
-    groups = {c: budget_groups(rs) for c, rs in groups.items()}
+    groups = {c: seed_groups(rs) for c, rs in groups.items()}
     out, fits = {}, {}
     for cell, base in pairs.items():
         try:
@@ -394,17 +607,19 @@ def compare(rows, pairs, boot, seed):
         except Degenerate as err:
             out[cell] = dict(base=base, why=str(err))
             continue
-        cis, ci, ci_trend, draws = bootstrap(groups[base], groups[cell], boot, seed, inside, (base, cell))
+        cis, ci, ci_trend = intervals(groups[base], groups[cell], inside)
         out[cell] = dict(base=base, at=at, inside=inside, overall=m, cis=cis, ci=ci, trend=trend(at, inside),
-                         ci_trend=ci_trend, draws=draws, fitted=(None, ""), why=None)
+                         ci_trend=ci_trend, fitted=(None, ""), why=None, base_groups=groups[base],
+                         cell_groups=groups[cell])
     for base in sorted(set(pairs.values())):
         cells = [c for c, b in pairs.items() if b == base and out[c]["why"] is None and out[c]["inside"]]
         if not cells or len(groups[base]) < 3:
             fits[base] = "no fit: fewer than 3 budgets" if cells else "no fit: no cell in range"
             continue
         try:
-            law, fitted = fit_check({base: groups[base], **{c: groups[c] for c in cells}}, base, cells,
-                                    {c: out[c]["inside"] for c in cells}, {c: out[c]["ci"] for c in cells})
+            law, fitted = fit_check({base: at_seeds(groups[base]), **{c: at_seeds(groups[c]) for c in cells}}, base,
+                                    cells, {c: out[c]["inside"] for c in cells},
+                                    {c: out[c]["ci"] and out[c]["ci"]["mci"] for c in cells})
         except (Degenerate, ValueError, RuntimeError) as err:
             law, fitted = f"no fit: {str(err).splitlines()[0][:80]}", {}
         fits[base] = law
@@ -413,117 +628,68 @@ def compare(rows, pairs, boot, seed):
     return out, fits
 
 
-def cell_lines(cell, r):
-    """The multiplier table's rows of one cell."""
+def cell_lines(cell, r, p_adj):
+    """The multiplier table's rows of one cell (p_adj: its overall's Holm-adjusted p)."""
     base = r["base"]
     if r["why"]:
-        return [f"| {cell} | {base} | - | no multiplier: {r['why']} | - | - | - |"]
+        return [f"| {cell} | {base} | - | no multiplier: {r['why']} | - | - | - | - | - |"]
     lines = []
     for b, (m, ok) in r["at"].items():
-        shown = fmt(m) + ("" if ok or m is None else " (extrapolated)")
-        lines.append(f"| {cell} | {base} | {b:.3g} | {shown} | {fci(r['cis'].get(b))} | - | "
-                     f"{'in range' if ok else 'extrapolated: outside the baseline range, not in the overall'} |")
-    m, ci = r["overall"], r["ci"]
+        steps = steps_at(r["cell_groups"], b)
+        flag = ("extrapolated" if not ok and m is not None else
+                f"short ({steps:.0f} steps)" if short(r["cell_groups"], b) else "")
+        j = r["cis"].get(b)
+        note = ("extrapolated: outside the baseline range, not in the overall" if flag == "extrapolated" else
+                f"short: {steps:.0f} optimizer steps (< {MIN_STEPS}), not in the overall" if flag else "headline")
+        lines.append(f"| {cell} | {base} | {b:.3g} | {fmt(m)}{f' ({flag})' if flag else ''} | "
+                     f"{fci(j and j['mci'])} | {stats.fmt_p(j and j['p'])} | - | - | {note} |")
+    m, j = r["overall"], r["ci"]
     fitted, note = r["fitted"]
     if m is None:
-        lines.append(f"| {cell} | {base} | overall | none: no budget in the baseline's range | - | - | - |")
+        lines.append(f"| {cell} | {base} | overall | none: no headline budget | - | - | - | - | - |")
     else:
         agree = ("-" if fitted is None else "disagrees with the measured figure by more than its interval"
-                 if ci and abs(fitted - m) > (ci[1] - ci[0]) / 2 else "agrees")
-        lost = sum(d is None for d in r["draws"])
-        if lost:  # draws whose baseline means did not fall with compute: the interval is of the others
-            agree = ("" if agree == "-" else agree + "; ") + f"{lost} of {len(r['draws'])} draws had no baseline " \
-                "curve, left out of the interval"
-        lines.append(f"| {cell} | {base} | overall ({len(r['inside'])} in-range budget"
-                     f"{'s' if len(r['inside']) > 1 else ''}) | {fmt(m)} | {fci(ci)} | "
+                 if j and j["mci"] and abs(fitted - m) > (j["mci"][1] - j["mci"][0]) / 2 else "agrees")
+        if j is not None and j["ci"] is None:
+            agree = ("" if agree == "-" else agree + "; ") + "a jackknife replicate had no baseline curve: no interval"
+        n = len(r["inside"])
+        lines.append(f"| {cell} | {base} | overall ({n} headline budget{'s' if n > 1 else ''}) | {fmt(m)} | "
+                     f"{fci(j and j['mci'])} | {stats.fmt_p(j and j['p'])} | {stats.fmt_p(p_adj)} | "
                      f"{fmt(fitted) if fitted is not None else note or '-'} | {agree} |")
     if len(r["inside"]) < MIN_TREND_BUDGETS:
-        lines.append(f"| {cell} | {base} | per 2x compute | - | - | - | not printed: needs {MIN_TREND_BUDGETS} "
-                     f"in-range budgets, has {len(r['inside'])} |")
+        lines.append(f"| {cell} | {base} | per 2x compute | - | - | - | - | - | not printed: needs "
+                     f"{MIN_TREND_BUDGETS} headline budgets, has {len(r['inside'])} |")
     else:
-        lines.append(f"| {cell} | {base} | per 2x compute | {fmt(r['trend'])} | {fci(r['ci_trend'])} | - | "
-                     f"{verdict(r['ci_trend'], 'compute')} |")
+        t = r["ci_trend"]
+        lines.append(f"| {cell} | {base} | per 2x compute | {fmt(r['trend'])} | {fci(t and t['mci'])} | "
+                     f"{stats.fmt_p(t and t['p'])} | - | - | {verdict(t and t['mci'], 'compute')} |")
     return lines
 
 
-def depth_lines(rows, results, boot):
-    """Each design's overall multiplier at each depth, and its change per doubling of depth."""
-    design = {r["cell"]: (design_of(r), r["n_layer"]) for r in rows}
-    by = {}
+def throughput_lines(results, step_times):
+    """The FLOP multiplier x the baseline's step time / the cell's, per cell, on the step times' device: the
+    step-time ratio pooled over the bench runs (stats.pooled_runs: each run's mean log ratio one replicate,
+    so the interval holds the drift between runs), combined with the multiplier's jackknife."""
+    runs, device = read_step_times(step_times)
+    lines, n_runs = [], max((len(v) for v in runs.values()), default=0)
     for cell, r in results.items():
-        if r["why"] is None and r["overall"] is not None:
-            by.setdefault(design[cell][0], {})[design[cell][1]] = r
-    depths = sorted({d for v in by.values() for d in v})
-    if len(depths) < 2:
-        return []
-    lines = ["", "By depth: each design's overall multiplier (in-range budgets) at each depth, and its change per "
-             "doubling of depth (2^slope of log multiplier on log2 depth; its interval from the same bootstrap "
-             "draws, depth by depth).", "",
-             "| design | " + " | ".join(f"{d} layers" for d in depths) + " | per 2x depth | 95% interval | verdict |",
-             "|" + "---|" * (len(depths) + 4)]
-    for name, rs in by.items():
-        shown = [f"{fmt(rs[d]['overall'])} ({fci(rs[d]['ci'])})" if d in rs else "-" for d in depths]
-        slope = depth_slope({d: rs[d]["overall"] for d in rs})
-        draws = [depth_slope({d: rs[d]["draws"][i] for d in rs}) for i in range(boot)] if len(rs) > 1 else []
-        ci = interval(draws, boot) if draws else None
-        lines.append(f"| {name} | " + " | ".join(shown) + f" | {fmt(slope)} | {fci(ci)} | {verdict(ci, 'depth')} |")
-    return lines
-
-
-def frontier_lines(rows, pairs, boot, seed):
-    """The compute-optimal frontier of each design against its baseline's, over their depths."""
-    design = {r["cell"]: (design_of(r), r["n_layer"]) for r in rows}
-    groups = {}
-    for r in rows:
-        groups.setdefault(r["cell"], []).append(r)
-    by = {}
-    for cell in sorted({*pairs, *pairs.values()}):
-        name, depth = design[cell]
-        by.setdefault(name, {})[depth] = budget_groups(groups[cell])
-    bases = {design[b][0] for b in pairs.values()}
-    lines = []
-    for base in sorted(bases):
-        if len(by[base]) < 2 or any(len(g) < 2 or None in g for g in by[base].values()):
-            continue  # one depth, or a depth at one budget: no frontier curve
-        for name in sorted({design[c][0] for c, b in pairs.items() if design[b][0] == base}):
-            if len(by[name]) < 2:
-                continue
-            front = frontier(by[base], by[name])
-            cis, shares, moved = frontier_bootstrap(by[base], by[name], boot, seed)
-            for b, (d, d_base, m, ok) in front.items():
-                share = ", ".join(f"{k}: {v:.0%}" for k, v in shares[b].items())
-                moves = ("moves it" if moved[b] >= 0.95 else "does not move it" if moved[b] <= 0.05
-                         else f"undecided at 95% (differs in {moved[b]:.0%} of draws)")
-                edge = " (the grid's shallowest: the optimum may lie lower)" if d == min(by[name]) else \
-                    " (the grid's deepest)" if d == max(by[name]) else ""
-                lines.append(f"| {name} | {base} | {b:.3g} | {d}{edge} ({share}) | {d_base} | "
-                             f"{fmt(m)}{'' if ok or m is None else ' (extrapolated)'} | {fci(cis.get(b))} | {moves} |")
-    if not lines:
-        return []
-    return ["", "The compute-optimal frontier: at each budget, each design's best depth among those it was run at "
-            "(in brackets: its share of the bootstrap draws), the baseline's, and the frontier multiplier (the "
-            "compute at which the baseline's best-of-depths curve reaches the design's best-of-depths loss, over "
-            "the design's compute). 'Moves it': the design's best depth differs from the baseline's in at least "
-            "95% of the draws.", "",
-            "| design | baseline | budget | its best depth (draws) | baseline's best depth | frontier multiplier | "
-            "95% interval | compute-optimal depth |", "|" + "---|" * 8, *lines]
-
-
-def throughput_lines(results, step_times, seed):
-    """The FLOP multiplier x the baseline's step time / the cell's, per cell, on the step times' device."""
-    ratios, device = read_step_times(step_times)
-    lines = []
-    for cell, r in results.items():
-        if cell not in ratios or r["why"] is not None or r["overall"] is None:
+        if cell not in runs or r["why"] is not None or r["overall"] is None or r["ci"] is None \
+                or r["ci"]["se"] is None:
             continue
-        value, ci, med, med_ci = adjusted(r["draws"], r["overall"], ratios[cell], seed)
-        lines.append(f"| {cell} | {fmt(r['overall'])} ({fci(r['ci'])}) | {med:.3f} ({med_ci[0]:.3f} - "
-                     f"{med_ci[1]:.3f}) | {fmt(value)} | {fci(ci)} |")
+        clock = stats.pooled_runs(runs[cell])
+        both = stats.combine(r["ci"], clock, sign=-1.0)
+        drift = "-" if clock["drift"] is None else f"{clock['drift']:.3f}"
+        lines.append(f"| {cell} | {fmt(r['overall'])} ({fci(r['ci']['mci'])}) | {math.exp(clock['value']):.3f} "
+                     f"({math.exp(clock['ci'][0]):.3f} - {math.exp(clock['ci'][1]):.3f}) | {clock['runs']} | {drift} | "
+                     f"{fmt(math.exp(both['value']))} | {fci(tuple(math.exp(x) for x in both['ci']))} |")
+    one = " With one run the interval has no drift term: it is too narrow for a claim." if n_runs < 2 else ""
     return ["", f"Throughput-adjusted: the FLOP multiplier x the baseline's step time / the cell's, step times "
-            f"measured on {device} by bench.py (interleaved rounds, the median ratio; {step_times}). The "
-            "interval combines the multiplier's bootstrap draws with resamples of the rounds.", "",
-            "| cell | FLOP multiplier | step time / baseline's | throughput-adjusted | 95% interval |",
-            "|---|---|---|---|---|", *lines]
+            f"measured on {device} by bench.py ({step_times}): each run's interleaved rounds give a mean log step-time "
+            f"ratio, and the runs' means are pooled (their spread is the drift between runs, kept in the interval: "
+            f"t with runs - 1 degrees of freedom). The interval combines that with the multiplier's jackknife "
+            f"(Welch-Satterthwaite).{one}", "",
+            "| cell | FLOP multiplier | step time / baseline's | bench runs | drift (sd of log ratio) | "
+            "throughput-adjusted | 95% interval |", "|---|---|---|---|---|---|---|", *lines]
 
 
 def precision_lines(rows):
@@ -535,36 +701,70 @@ def precision_lines(rows):
         if r.get("status") == "done" and r.get("val_loss") is not None:
             spread.setdefault((r["cell"], r.get("budget")), []).append(r["val_loss"])
     stds = [statistics.stdev(v) for v in spread.values() if len(v) > 1]
+    done = [r for r in rows if r.get("status") == "done"]
+    periodic = sum(r.get("eval_tokens") is None for r in done)
+    if periodic:  # a CSV from before the final eval: its losses are not the other tables' measure
+        return ["", f"Loss measure: {periodic} of the {len(done)} runs have no final eval (a results.csv from before "
+                f"it): their loss is the last periodic eval on eval_iters batches, which reads 0.002-0.03 off the final "
+                f"eval on the whole val split: compare these figures only with each other."]
     if not ses or not stds:
         return []
     tokens = sorted({r["eval_tokens"] for r in rows if r.get("eval_tokens")})
-    return ["", f"Precision: each final loss is measured on the same {', '.join(f'{t:,.0f}' for t in tokens)} val "
+    return ["", f"Loss measure: the final eval on the whole val split. Precision: each final loss is measured on the same {', '.join(f'{t:,.0f}' for t in tokens)} val "
             f"tokens, with a standard error over its windows of {statistics.median(ses):.4f} (median over the "
             f"{len(ses)} runs; an upper bound for a difference between two runs, which share the tokens); the "
             f"final loss varies over seeds by a standard deviation of {statistics.median(stds):.4f} (median over "
             f"{len(stds)} cells and budgets)."]
 
 
-def report(rows, pairs, boot=1000, seed=0, step_times=""):
+def schedule_lines(rows):
+    """Every (cell, budget): its mean optimizer steps and warm-up, so that training length is read apart from
+    depth (train.py's warm-up: 100 iterations capped at 10% of them, rounded up)."""
+    got = {}
+    for r in rows:
+        if r.get("status") == "done" and r.get("iters"):
+            got.setdefault(r["cell"], {}).setdefault(r.get("budget"), []).append(r["iters"])
+    if not got:
+        return []
+    budgets = sorted({b for v in got.values() for b in v if b is not None})
+    if not budgets:  # a one-budget CSV (no budget column): its steps are in flops.py results' table
+        return []
+    cell = lambda v: "-" if not v else (f"{mean(v):.0f}, {min(100, math.ceil(0.1 * mean(v)))}"  # noqa: E731
+                                        + (" (short)" if mean(v) < MIN_STEPS else ""))
+    return ["", f"Training length: each cell's optimizer steps and warm-up at each budget (short: fewer than "
+            f"{MIN_STEPS} steps, left out of the headline figures).", "",
+            "| cell | " + " | ".join(f"{b:.3g}" for b in budgets) + " |", "|" + "---|" * (len(budgets) + 1),
+            *[f"| {c} | " + " | ".join(cell(v.get(b)) for b in budgets) + " |" for c, v in got.items()]]
+
+
+def report(rows, pairs, step_times=""):
     """flops.py multiplier's Markdown, and the per-cell results (compare) for the figure."""
-    results, fits = compare(rows, pairs, boot, seed)
+    results, fits = compare(rows, pairs)
+    ok = [c for c, r in results.items() if r["why"] is None]
+    adj = dict(zip(ok, stats.holm([results[c]["ci"] and results[c]["ci"]["p"] for c in ok])))
+    n_seeds = len(seeds_in(*[r["cell_groups"] for r in results.values() if r["why"] is None]))
     lines = ["Compute multiplier at equal training FLOPs: the compute the baseline needs to reach the cell's mean "
              "final val loss, over the cell's compute, read off the baseline's measured curve (its mean loss at "
              "each budget, joined by a monotone cubic in log compute). A loss outside the baseline's measured range is "
-             "extrapolated: flagged, and left out of the overall figure (the geometric mean over the in-range "
-             f"budgets) and the trend. Fitted: the same read off a power law fitted to the baseline and its "
-             f"cells with a shared asymptote, as a check; a degenerate fit gives no number. 95% intervals: "
-             f"{boot} bootstrap draws of the baseline's and the cell's runs at every budget (seed {seed}).", "",
-             "| cell | baseline | budget | multiplier | 95% interval | fitted | note |", "|" + "---|" * 7]
+             "extrapolated, and a budget where the cell trained fewer than "
+             f"{MIN_STEPS} optimizer steps is short: both are flagged, and left out of the overall figure (the "
+             f"geometric mean over the headline budgets) and the trend. Fitted: the same read off a power law "
+             f"fitted to the baseline and its cells with a shared asymptote, as a check; a degenerate fit gives no "
+             f"number. 95% intervals and p (of 'worth its compute', multiplier 1): the delete-one-seed jackknife "
+             f"over the {n_seeds} seeds, each left out of every cell at once (paired), t with seeds - 1 degrees of "
+             f"freedom. Family: the {sum(p is not None for p in adj.values())} overall figures of this table, "
+             f"p Holm-adjusted.", "",
+             "| cell | baseline | budget | multiplier | 95% interval | p | p (Holm) | fitted | note |", "|" + "---|" * 9]
     for cell, r in results.items():
-        lines += cell_lines(cell, r)
+        lines += cell_lines(cell, r, adj.get(cell))
     lines += precision_lines(rows)
+    lines += schedule_lines(rows)
     lines += ["", "The fits (each baseline with the cells compared with it):", "", "| baseline | fit |", "|---|---|"]
     lines += [f"| {b} | {law} |" for b, law in fits.items()]
-    lines += depth_lines(rows, results, boot)
-    lines += frontier_lines(rows, pairs, boot, seed)
+    lines += depth_lines(rows, results, pairs)
+    lines += frontier_lines(rows, pairs)
     if step_times:
-        lines += throughput_lines(results, step_times, seed)
+        lines += throughput_lines(results, step_times)
     return "\n".join(lines) + "\n", results
 
 
@@ -601,8 +801,8 @@ def plot(rows, results, path):
             got.sort(key=lambda t: t[0])
             shift = 2 ** (0.025 * (k - (len(designs) - 1) / 2))  # side by side at a depth: each interval seen
             xs, ms = [d * shift for d, _ in got], [r["overall"] for _, r in got]
-            err = [[m - (r["ci"] or (m, m))[0] for m, (_, r) in zip(ms, got)],
-                   [(r["ci"] or (m, m))[1] - m for m, (_, r) in zip(ms, got)]]
+            cis = [(r["ci"] and r["ci"]["mci"]) or (m, m) for m, (_, r) in zip(ms, got)]
+            err = [[m - lo for m, (lo, _) in zip(ms, cis)], [hi - m for m, (_, hi) in zip(ms, cis)]]
             bx.errorbar(xs, ms, yerr=err, fmt="o-", capsize=3, color=color[name], label=name)
         else:
             for _, r in got:
@@ -615,7 +815,7 @@ def plot(rows, results, path):
     bx.axhline(1.0, color="gray", lw=0.8)
     bx.set_xlabel("layers" if len(depths) > 1 else "budget (in range)")
     bx.set_ylabel("compute multiplier vs baseline")
-    bx.set_title("overall multiplier (in-range budgets), 95% bootstrap interval" if len(depths) > 1 else
+    bx.set_title("overall multiplier (headline budgets), 95% jackknife interval" if len(depths) > 1 else
                  "multiplier at each in-range budget", fontsize=10)
     for a in (ax, bx):
         a.grid(alpha=0.3)
@@ -624,3 +824,54 @@ def plot(rows, results, path):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_frontier(rows, pairs, path):
+    """Loss against compute, one panel per design: a line per depth for the design (colour) and its baseline
+    (grey), and each one's best-of-depths frontier (thick; an open marker where that optimum is on the grid's
+    edge). Nothing is written when no design has two depths."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    by = depth_cells(rows, pairs)
+    design = {r["cell"]: design_of(r) for r in rows}
+    panels = [(name, base) for base in sorted({design[b] for b in pairs.values()})
+              for name in sorted({design[c] for c, b in pairs.items() if design[b] == base})
+              if len(by[name]) > 1 and len(by[base]) > 1]
+    if not panels:
+        return None
+    cols = min(3, len(panels))
+    rows_n = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(5 * cols, 4 * rows_n), squeeze=False, sharey=True)
+    for ax, (name, base) in zip(axes.flat, panels):
+        for who, color in ((base, "0.6"), (name, "C0")):
+            depths = sorted(by[who])
+            shades = plt.cm.viridis(np.linspace(0, 0.9, len(depths))) if who == name else [color] * len(depths)
+            for d, shade in zip(depths, shades):
+                pts = means(at_seeds(by[who][d]))
+                ax.plot([c for c, _ in pts], [y for _, y in pts], "-", color=shade, lw=0.9, alpha=0.9,
+                        label=f"{who} {d} layers" if who == name else (f"{who} (each depth)" if d == depths[0] else None))
+            curve = best_curve(by[who])
+            xs = sorted(curve)
+            ax.plot([curve[b][2] for b in xs], [curve[b][1] for b in xs], "-", color="k" if who == base else "C3",
+                    lw=2.2, label=f"{who} frontier")
+            for b in xs:
+                edge = on_edge(by[who], b, curve[b][0])
+                ax.plot(curve[b][2], curve[b][1], "o", mfc="none" if edge else ("k" if who == base else "C3"),
+                        mec="k" if who == base else "C3", ms=6)
+                ax.annotate(str(curve[b][0]), (curve[b][2], curve[b][1]), fontsize=7, xytext=(3, 3 if who == name
+                                                                                                else -9),
+                            textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_title(f"{name} against {base} (frontier: best depth, labelled; open: on the grid's edge)", fontsize=8)
+        ax.set_xlabel("training FLOPs")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=5, ncol=2)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("final val loss (mean over seeds)")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

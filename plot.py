@@ -28,8 +28,9 @@ from matplotlib.ticker import MaxNLocator
 
 from configurator import ConfigError, configure
 from model import RESIDUALS
-from run_config import (EVAL_SEED, MISSING, SIGNIFICANCE_HEADER, get_batch, load_checkpoint, load_codec, load_log,
-                        mean_std, model_from_checkpoint, pick_baselines, seed_cell, significance_cells)
+from run_config import (EVAL_SEED, get_batch, load_checkpoint, load_codec, load_log, model_from_checkpoint,
+                        pick_baselines, seed_cell)
+from stats import MISSING, family_cells, family_header, family_sentence, mean_std
 
 DEFAULTS = dict(
     iter=None,  # depth, weights: the eval at this iter (None: the last one with diagnostics)
@@ -245,7 +246,7 @@ def fmt(value, spec):
 
 
 def mean_pm(values, spec):
-    """mean ± sample std of values (run_config.mean_std), formatted with spec; MISSING if a run lacks one."""
+    """mean ± sample std of values (stats.mean_std), formatted with spec; MISSING if a run lacks one."""
     if None in values:
         return MISSING
     mean, std = mean_std(values)
@@ -256,9 +257,10 @@ def table(out_dirs, baseline=None):
     """Markdown: a row per run (run_figures). Where runs are seeds of one sweep cell (`<cell>_s<seed>`), a
     second table gives each such cell's mean ± sample std over its seeds, its final val loss against a
     baseline cell (run_config.pick_baselines, as flops.py's tables: `baseline`, else the prenorm cell of
-    the same depth, else that depth's first cell): Welch's test
-    (run_config.significance_cells), and its median seconds per iteration over the baseline's (their
-    runs' median logged paces; comparable only for runs of one sweep, which share the machine alike).
+    the same depth, else that depth's first cell): the table's comparisons one family (stats.family_cells:
+    paired on the seeds both cells ran, else Welch; p raw and Holm-adjusted), and its median seconds per
+    iteration over the baseline's (their runs' median logged paces; comparable only for runs of one sweep,
+    which share the machine alike).
     A run trained without --diagnose has its losses and MISSING for the rest."""
     runs = [run_figures(d) for d in out_dirs]
     lines = ["| run | residual | sublayers | final val | best val | RMS head / RMS sublayer 1 "
@@ -276,17 +278,21 @@ def table(out_dirs, baseline=None):
     if baseline is not None and baseline not in cells:
         raise ConfigError(f"--baseline={baseline} is not a cell of these runs; cells: {', '.join(cells)}")
     if cells:
-        lines += ["", "Per cell, mean ± sample std over its seeds; final val against the baseline cell "
-                  "(* p < 0.05, Welch's t-test):", "",
-                  "| cell | seeds | final val | best val | RMS head / RMS sublayer 1 | RMS head / RMS sublayer 3 "
-                  "| nag gates: mean \\|a\\|, dead | baseline | " + " | ".join(SIGNIFICANCE_HEADER)
-                  + " | s/iter vs baseline |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         bases = pick_baselines([(c, rs[0]["sublayers"], all(r["plain_prenorm"] for r in rs)) for c, rs in cells.items()],
                                baseline)
+        by_seed = lambda rs: {int(r["run"].rpartition("_s")[2]): r["final"] for r in rs}  # noqa: E731
+        tested = [c for c in cells if bases[c] != c]
+        rows, m = family_cells([(by_seed(cells[c]), by_seed(cells[bases[c]])) for c in tested])
+        rows = dict(zip(tested, rows))
+        lines += ["", "Per cell, mean ± sample std over its seeds; final val against the baseline cell: the "
+                  "difference, its 95% CI, a paired t-test on the seeds both cells ran (Welch's t-test where they "
+                  f"share fewer than 2), p raw and Holm-adjusted. {family_sentence(m)}.", "",
+                  "| cell | seeds | final val | best val | RMS head / RMS sublayer 1 | RMS head / RMS sublayer 3 "
+                  "| nag gates: mean \\|a\\|, dead | baseline | " + " | ".join(family_header())
+                  + " | s/iter vs baseline |", "|" + "---|" * 15]
         for c, rs in cells.items():
             base = bases[c]
-            vs = ([MISSING] * 4 if base == c else
-                  significance_cells([r["final"] for r in rs], [r["final"] for r in cells[base]]))
+            vs = [MISSING] * 6 if base == c else list(rows[c])
             pace, base_pace = (None if None in p else float(np.median(p)) for p in
                                ([r["s_per_iter"] for r in rs], [r["s_per_iter"] for r in cells[base]]))
             vs.append(MISSING if base == c or not pace or not base_pace else f"{pace / base_pace:.2f}x")

@@ -501,9 +501,6 @@ def load_codec(ckpt):
     return (lambda s: enc.encode(s, allowed_special={"<|endoftext|>"})), enc.decode
 
 
-MISSING = "–"  # in a table: a figure a run did not log, or a test with nothing to test
-
-
 def format_duration(seconds):
     """45s, 3m12s, 2h05m."""
     s = round(seconds)
@@ -525,35 +522,6 @@ def seed_cell(run):
     return cell if cell and seed.isdigit() else None
 
 
-def mean_std(values):
-    """Mean and sample standard deviation (n - 1; None for a single value) of a list of numbers."""
-    n = len(values)
-    mean = sum(values) / n
-    return mean, ((sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5 if n > 1 else None)
-
-
-def welch(values, baseline, alpha=0.05, power=0.8):
-    """A cell's final losses over seeds against its baseline cell's: Welch's t-test (unequal variances,
-    scipy.stats). Returns diff (mean - baseline mean), the diff's (1 - alpha) confidence interval ci, the
-    two-sided p, significant (p < alpha), and seeds: the seeds per cell at which the observed diff, with
-    the observed stds, would be significant with probability `power` (None: it already is, or one of
-    the cells has fewer than 2 values or no spread). None for everything when a cell has < 2 values."""
-    from scipy import stats  # here: only sweep tables need scipy
-    if len(values) < 2 or len(baseline) < 2:
-        return None
-    (m1, s1), (m2, s2) = mean_std(values), mean_std(baseline)
-    v1, v2 = s1 ** 2 / len(values), s2 ** 2 / len(baseline)
-    diff = m1 - m2
-    if v1 + v2 == 0:  # no spread at all: no test
-        return dict(diff=diff, ci=(diff, diff), p=None, significant=False, seeds=None)
-    test = stats.ttest_ind(values, baseline, equal_var=False)
-    half = float(stats.t.ppf(1 - alpha / 2, test.df)) * (v1 + v2) ** 0.5
-    p = float(test.pvalue)
-    out = dict(diff=diff, ci=(diff - half, diff + half), p=p, significant=p < alpha)
-    out["seeds"] = None if out["significant"] else seeds_for_power(diff, s1, s2, alpha, power)
-    return out
-
-
 def pick_baselines(cells, baseline=None):
     """{cell: the cell it is tested against}, the one rule of flops.py's results tables and plot.py's
     table: `baseline` when one is named; else, at the cell's depth, the plain prenorm cell (residual
@@ -564,35 +532,6 @@ def pick_baselines(cells, baseline=None):
         if depth not in first or (plain and not first[depth][1]):
             first[depth] = (name, plain)
     return {name: baseline or first[depth][0] for name, depth, _ in cells}
-
-
-SIGNIFICANCE_HEADER = ("Δ vs baseline", "95% CI", "p (Welch)", "seeds for 80% power")
-
-
-def significance_cells(values, baseline, spec=".4f"):
-    """welch() of a cell against its baseline as four table cells (SIGNIFICANCE_HEADER): the diff, its
-    95% CI, p with * where p < 0.05, and "significant" or the seeds per cell that would make the
-    observed diff significant at 80% power. "–" where there is nothing to test (< 2 seeds, no spread)."""
-    w = welch(values, baseline)
-    if w is None or w["p"] is None:
-        return [MISSING if w is None else f"{w['diff']:+{spec}}", MISSING, MISSING, MISSING]
-    seeds = "significant" if w["significant"] else ("> 1000" if w["seeds"] is None else str(w["seeds"]))
-    return [f"{w['diff']:+{spec}}", f"[{w['ci'][0]:+{spec}}, {w['ci'][1]:+{spec}}]",
-            f"{w['p']:.2g}" + (" *" if w["significant"] else ""), seeds]
-
-
-def seeds_for_power(diff, s1, s2, alpha=0.05, power=0.8, most=1000):
-    """The fewest seeds n per cell (n >= 2) at which Welch's test finds a true difference diff between
-    cells with stds s1, s2 with probability `power` (the noncentral t), or None if more than `most`."""
-    from scipy import stats
-    for n in range(2, most + 1):
-        se = ((s1 ** 2 + s2 ** 2) / n) ** 0.5
-        df = (s1 ** 2 + s2 ** 2) ** 2 * (n - 1) / (s1 ** 4 + s2 ** 4)
-        crit = stats.t.ppf(1 - alpha / 2, df)
-        nc = abs(diff) / se
-        if stats.nct.sf(crit, df, nc) + stats.nct.cdf(-crit, df, nc) >= power:
-            return n
-    return None
 
 
 def load_log(out_dir):

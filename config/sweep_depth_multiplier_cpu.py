@@ -1,6 +1,8 @@
-# Compute multipliers at 4, 8 and 16 layers (docs/experiments.md, "How much compute each design is worth, by
+# Compute multipliers at 1, 2, 3, 4, 8 and 16 layers (docs/experiments.md, "How much compute each design is worth, by
 # depth"): does a design use depth better, and does it move the compute-optimal depth? Width 128, character-level
-# Shakespeare (config/shakespeare_char_cpu.py's model and recipe), 5 seeds.
+# Shakespeare (config/shakespeare_char_cpu.py's model and recipe), 5 seeds. The shallow end (1, 2, 3 layers) is there
+# so that each budget's best depth has a measured depth on both sides (at 5e12 prenorm's 2 layers beat its 4 by 0.14,
+# docs/sweep_shakespeare_cpu.csv): an optimum on the grid's edge is named as one, and gives no frontier figure.
 #
 # The designs run at 2.5e12 and 1e13 training FLOPs; prenorm, the baseline, at 1.25e12 to 2e13 (5 budgets, 2x apart),
 # half the designs' smallest budget and twice their largest, so that a design's loss is read inside the range
@@ -12,14 +14,22 @@
 # decays the LR (cosine, 1e-3 to 1e-4) over all of them, and warms up for 100 iterations capped at 10% of them
 # (rounded up). For prenorm (the designs' are up to 13% fewer, mhc's; their warm-ups follow the same cap):
 #   layers   1.25e12      2.5e12       5e12          1e13          2e13        (iterations, warm-up)
+#   1        1226, 100    2451, 100    4903, 100     9806, 100     19612, 100
+#   2        625, 63      1249, 100    2498, 100     4997, 100     9994, 100
+#   3        419, 42      838, 84      1676, 100     3353, 100     6705, 100
 #   4        315, 32      631, 64      1261, 100     2523, 100     5045, 100
 #   8        158, 16      317, 32      634, 64       1267, 100     2535, 100
 #   16       79, 8        159, 16      318, 32       635, 64       1271, 100
 # Every run ends with train.py's final eval on the whole val split (111,360 tokens, the same for every run), which is
 # the val_loss the multipliers read.
 #
-# 16 design cells x 2 budgets + 3 baseline cells x 5 budgets, x 5 seeds: 235 runs, about 6 hours on 2 cores, two at
-# a time, smallest budget first, seed by seed (resumable: run it again; finished runs are skipped):
+# A cell under 300 optimizer steps (8 layers at 1.25e12, 16 at 1.25e12 and 2.5e12) is short: flops.py multiplier
+# prints it but leaves it out of every headline figure (config/sweep_depth_halfbatch_cpu.py checks one at half batch).
+#
+# 34 design cells x 2 budgets + 6 baseline cells x 5 budgets, x 5 seeds: 490 runs, about 12.5 hours on 2 cores
+# (the 235 runs at 4, 8 and 16 layers took 6; a shallow run costs about what a 4-layer one does at the same budget,
+# which the committed runs' seconds give), two at a time, smallest budget first, seed by seed (resumable: run it
+# again; finished runs are skipped; --cells="['prenorm_L1', ...]" runs some cells first):
 # OMP_NUM_THREADS=1 python flops.py sweep config/sweep_depth_multiplier_cpu.py
 # python flops.py multiplier out/sweep_depth_multiplier_cpu/results.csv
 
@@ -29,15 +39,16 @@ train_args = ["--device=cpu", "--eval_interval=250", "--eval_iters=20", "--log_i
 budgets = [2.5e12, 1e13]  # the designs'
 depths, residuals = [], []  # no grid: the cells are named below
 _designs = {  # (private: a leading _) the cells' keys, and their depths (a cell at each: <design>_L<depth>)
-    "nag": ({"residual": "nag"}, (4, 8, 16)),
-    "block_attnres": ({"residual": "block_attnres"}, (4, 8, 16)),
-    "attnres": ({"residual": "attnres"}, (4, 8)),
-    "value_residual": ({"residual": "prenorm", "value_residual": "half"}, (4, 8, 16)),  # ResFormer
-    "mudd": ({"residual": "mudd"}, (4, 8, 16)),  # MUDDFormer
-    "mhc": ({"residual": "mhc"}, (4, 8)),
+    "nag": ({"residual": "nag"}, (1, 2, 3, 4, 8, 16)),
+    "block_attnres": ({"residual": "block_attnres"}, (1, 2, 3, 4, 8, 16)),
+    "attnres": ({"residual": "attnres"}, (1, 2, 3, 4, 8)),
+    "value_residual": ({"residual": "prenorm", "value_residual": "half"}, (1, 2, 3, 4, 8, 16)),  # ResFormer
+    "mudd": ({"residual": "mudd"}, (1, 2, 3, 4, 8, 16)),  # MUDDFormer
+    "mhc": ({"residual": "mhc"}, (1, 2, 3, 4, 8)),
 }
-runs = [(f"prenorm_L{L}", {"residual": "prenorm", "n_layer": L}) for L in (4, 8, 16)]  # the baseline at each depth
+_depths = (1, 2, 3, 4, 8, 16)  # the baseline's
+runs = [(f"prenorm_L{L}", {"residual": "prenorm", "n_layer": L}) for L in _depths]  # the baseline at each depth
 runs += [(f"{name}_L{L}", {**keys, "n_layer": L}) for name, (keys, depths_of) in _designs.items() for L in depths_of]
-cell_budgets = {f"prenorm_L{L}": [1.25e12, 2.5e12, 5e12, 1e13, 2e13] for L in (4, 8, 16)}
+cell_budgets = {f"prenorm_L{L}": [1.25e12, 2.5e12, 5e12, 1e13, 2e13] for L in _depths}
 seeds = [1, 2, 3, 4, 5]
 jobs = 2

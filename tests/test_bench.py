@@ -2,6 +2,7 @@
 import contextlib
 import csv
 import io
+import math
 import re
 import statistics
 import sys
@@ -460,7 +461,10 @@ def test_bench_steps_times_every_cell_against_its_baseline(capsys, tmp_path, dat
     assert ratios["nag_L2"] == pytest.approx([float(r["ms"]) / float(r["baseline_ms"]) for r in rows[:3]], rel=1e-3)
     out = capsys.readouterr().out
     assert "| nag_L2 | prenorm_L2 | 2 |" in out and f"| {statistics.median(ratios['nag_L2']):.3f} |" in out
-    read, device = multiplier.read_step_times(str(bench_steps_csv))
-    assert read["vr_L2"] == pytest.approx(ratios["vr_L2"], rel=1e-3) and device == "CPU (1 thread)"
+    read, device = multiplier.read_step_times(str(bench_steps_csv))  # one run: [[log ratio per round]]
+    assert len(read["vr_L2"]) == 1 and device == "CPU (1 thread)"
+    assert [math.exp(x) for x in read["vr_L2"][0]] == pytest.approx(ratios["vr_L2"], rel=1e-3)
+    again, _ = multiplier.read_step_times(f"{bench_steps_csv},{bench_steps_csv}")  # a list: one entry per run
+    assert again["nag_L2"] == read["nag_L2"] * 2 and set(again) == {"nag_L2", "vr_L2"}
     with pytest.raises(ConfigError, match="add --sweep="):
         bench.main(["--section=steps"])

@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import flops  # noqa: E402
 import run_config  # noqa: E402
+import stats  # noqa: E402
 import train  # noqa: E402
 from configurator import ConfigError, configure  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
@@ -508,9 +509,10 @@ def test_sweep_seeds_named_runs_and_parallel_jobs(data_dir, tmp_path, capsys, mo
     for cell, pair in (("prenorm_L1", rows[0::2]), ("wide", rows[1::2])):  # mean ± sample std over the two seeds
         losses = [r["val_loss"] for r in pair]
         assert f"| {statistics.mean(losses):.4f} ± {statistics.stdev(losses):.4f} |" in table.split(f"| {cell} |")[1]
-    # each cell against the first cell of its depth (both are 1 layer): Welch's test of their losses
-    wide, base = ([r["val_loss"] for r in rows[i::2]] for i in (1, 0))
-    assert f"| wide | prenorm_L1 | {' | '.join(run_config.significance_cells(wide, base))} |" in table
+    # each cell against the first cell of its depth (both are 1 layer): the test of their losses by seed
+    wide, base = ({r["seed"]: r["val_loss"] for r in rows[i::2]} for i in (1, 0))
+    (cells,), _ = stats.family_cells([(wide, base)])
+    assert f"| wide | prenorm_L1 | {' | '.join(cells)} |" in table
     assert "| prenorm_L1 | prenorm_L1 |" not in table  # a baseline is not tested against itself
     assert (root / "results.png").stat().st_size > 0
     assert set(plt.get_fignums()) == open_before  # the figure written after each run is closed, not kept alive
@@ -704,8 +706,9 @@ def test_sweep_runs_only_the_named_cells(data_dir, tmp_path, monkeypatch, fake_t
 
 def test_results_from_a_csv_test_each_cell_against_its_baseline(tmp_path, capsys):
     """flops.py results FILE.csv: results.md's tables from a results.csv alone (docs/ keeps those), each
-    cell against the first cell of its depth or --baseline; the numbers are run_config.welch's
-    (tests/test_stats.py), so a cell paired with the wrong baseline, or wrong losses, fails. Each cell's
+    cell against the first cell of its depth or --baseline; the numbers are stats.family_cells' over the
+    table's comparisons (tests/test_stats.py), so a cell paired with the wrong baseline, or wrong losses, fails.
+    Each cell's
     median s_per_iter over its baseline's (a CSV without the column: seconds / iters) ends the row."""
     losses = {"a_L2": [1.90, 1.92, 1.91], "b_L2": [1.80, 1.81, 1.83], "c_L4": [1.70, 1.78, 1.72],
               "d_L4": [1.69, 1.73, 1.70]}
@@ -728,14 +731,17 @@ def test_results_from_a_csv_test_each_cell_against_its_baseline(tmp_path, capsys
         return {r[0]: r[1:] for r in ([c.strip() for c in line.split("|")[1:-1]] for line in
                                       text.split("against a baseline cell")[1].split("Every run")[0].splitlines())
                 if r and r[0] in losses}
+    seeded = {c: dict(enumerate(v, 1)) for c, v in losses.items()}
+    family = lambda *pairs: stats.family_cells([(seeded[c], seeded[b]) for c, b in pairs])[0]  # noqa: E731
     got = rows()
     assert set(got) == {"b_L2", "d_L4"}  # a and c are the baselines of their depths
-    assert got["b_L2"] == ["a_L2", *run_config.significance_cells(losses["b_L2"], losses["a_L2"]), "2.00x"]
-    assert got["d_L4"] == ["c_L4", *run_config.significance_cells(losses["d_L4"], losses["c_L4"]), "2.50x"]
-    assert got["b_L2"][3].endswith("*") and not got["d_L4"][3].endswith("*")
+    want = family(("b_L2", "a_L2"), ("d_L4", "c_L4"))
+    assert got["b_L2"] == ["a_L2", *want[0], "2.00x"]
+    assert got["d_L4"] == ["c_L4", *want[1], "2.50x"]
+    assert got["b_L2"][5].endswith("*") and not got["d_L4"][5].endswith("*")  # the Holm-adjusted p
     got = rows("--baseline=b_L2")
     assert set(got) == {"a_L2", "c_L4", "d_L4"}
-    assert got["d_L4"] == ["b_L2", *run_config.significance_cells(losses["d_L4"], losses["b_L2"]), "1.14x"]
+    assert got["d_L4"] == ["b_L2", *family(("a_L2", "b_L2"), ("c_L4", "b_L2"), ("d_L4", "b_L2"))[2], "1.14x"]
     with pytest.raises(ConfigError, match="baseline='e' is not a cell"):
         flops.main(["results", str(path), "--baseline=e"])
     with pytest.raises(ConfigError, match="no results file"):
@@ -745,7 +751,9 @@ def test_results_from_a_csv_test_each_cell_against_its_baseline(tmp_path, capsys
     rows_e = [line for line in path.read_text().splitlines()[1:] if line.startswith("b_L2_")]
     other.write_text(path.read_text().splitlines()[0] + "\n" + "\n".join(r.replace("b_L2", "e_L2") for r in rows_e) + "\n")
     text = flops.main(["results", str(path), str(other)])
-    assert f"| e_L2 | a_L2 | {' | '.join(run_config.significance_cells(losses['b_L2'], losses['a_L2']))} |" in text
+    seeded["e_L2"] = seeded["b_L2"]
+    want = family(("b_L2", "a_L2"), ("d_L4", "c_L4"), ("e_L2", "a_L2"))
+    assert f"| e_L2 | a_L2 | {' | '.join(want[2])} |" in text
 
 
 def test_sweep_needs_a_sweep_config(monkeypatch):
@@ -927,16 +935,20 @@ def test_a_results_csv_with_nothing_to_compare_says_why(capsys):
 
 
 def test_the_readme_command_for_mhc_at_equal_flops_gives_its_numbers(capsys):
-    """The README's "+0.025, +0.017, +0.009" (mhc against prenorm at 2, 4, 8 layers) needs the _s45 CSV for
-    prenorm's 5 seeds at 4 layers: its row names the command with every CSV, and that command prints them."""
-    row = next(line for line in (REPO / "README.md").read_text().splitlines() if "+0.025, +0.017, +0.009" in line)
-    command = re.search(r"`(python flops\.py results [^`]*)`", row)[1]
+    """The README's mhc against prenorm at equal FLOPs, 2, 4 and 8 layers ("mhc is not better than prenorm at any
+    depth (+a, +b, +c; ..."): its row names the command with every CSV (the _s45 one too, for prenorm's seeds 4 and
+    5 at 4 layers), and that command prints those three differences."""
+    readme = (REPO / "README.md").read_text()
+    quoted = re.search(r"mhc is not better than prenorm at any depth \(([+-]0\.\d{4}), ([+-]0\.\d{4}), "
+                       r"([+-]0\.\d{4});", readme)
+    row = next(line for line in readme.splitlines() if quoted[0] in line)
+    command = next(c for c in re.findall(r"`(python flops\.py results [^`]*)`", row) if "mhc" in c)
     assert "docs/sweep_shakespeare_cpu_s45.csv" in command
     text = flops.main(["results", *[str(REPO / a) for a in command.split()[3:]]])
     rows = {r[0]: r[1:] for r in ([c.strip() for c in line.split("|")[1:-1]] for line in
                                   text.split("against a baseline cell")[1].splitlines()) if r and r[0].startswith("mhc_")}
-    assert [(rows[f"mhc_L{L}"][0], f"{float(rows[f'mhc_L{L}'][1]):+.3f}") for L in (2, 4, 8)] == [
-        ("prenorm_L2", "+0.025"), ("prenorm_L4", "+0.017"), ("prenorm_L8", "+0.009")], rows
+    assert [(rows[f"mhc_L{L}"][0], f"{float(rows[f'mhc_L{L}'][1]):+.4f}") for L in (2, 4, 8)] == [
+        (f"prenorm_L{L}", q) for L, q in zip((2, 4, 8), quoted.groups())], rows
 
 
 @pytest.mark.parametrize("content", [b"# a Markdown page\n\nsome text, with a comma\n", b"a,b\n1,2\n",

@@ -8,6 +8,7 @@ was; resume is bit-exact; DDP matches one process; bad values are one-line error
 import inspect
 import math
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -323,35 +324,52 @@ def test_resume_refuses_another_optimizer(data_dir, tmp_path):
 # -----------------------------------------------------------------------------
 # flops.py optimizers: the comparison's table
 
-def result_rows(optimizer, design_args, losses, n_layer=4, budget=5e12, flops_only=False):
-    """results.csv rows of one cell: a run per loss (seeds 1, 2, ...)."""
+def result_rows(optimizer, design_args, losses, n_layer=4, budget=5e12, flops_only=False, seeds=None,
+                flops_per_token=None):
+    """results.csv rows of one cell: a run per loss (seeds 1, 2, ..., or `seeds`)."""
     args = " ".join(filter(None, [design_args, "--optimizer='muon' --muon_lr=0.02" if optimizer == "muon" else ""]))
     return [dict(run=f"r{seed}", cell="c", seed=seed, residual="prenorm", n_layer=n_layer, mod=None, mod_rate=0.0,
-                 args=args, status="done", val_loss=loss, flops=budget * 0.9985,
-                 **({} if flops_only else {"budget": budget})) for seed, loss in enumerate(losses, 1)]
+                 args=args, status="done", val_loss=loss, flops=budget * 0.9985, train_flops_per_token=flops_per_token,
+                 **({} if flops_only else {"budget": budget}))
+            for seed, loss in zip(seeds or range(1, len(losses) + 1), losses)]
+
+
+def table_lines(text, layers=4):
+    """{design: its row} of the table of `layers` layers in optimizers_table's text."""
+    part = text.split(f"**{layers} layers")[1].split("\n**")[0]
+    return {row.split(" | ")[0][2:]: row for row in part.splitlines() if row.startswith("| prenorm")}
 
 
 def test_optimizers_table_reads_each_gain_under_both():
     """A design 0.1 better under both survives; one better under AdamW only is gone; one better under
-    AdamW and worse under Muon is reversed; Muon's own gain is Muon's loss minus AdamW's, per design."""
+    AdamW and worse under Muon is reversed; each Δ a paired t-test on the seeds both cells ran; Muon's own gain
+    is Muon's loss minus AdamW's, per design, by Welch's test (different runs), its p raw and BH-adjusted over the
+    four designs."""
     import flops
+    import stats
     base = [2.00, 2.01, 1.99]
     rows = result_rows("adamw", "", base) + result_rows("muon", "", [1.80, 1.81, 1.79])
-    rows += result_rows("adamw", "--value_residual='half'", [1.90, 1.91, 1.89])
-    rows += result_rows("muon", "--value_residual='half'", [1.70, 1.71, 1.69])  # -0.1 under both
-    rows += result_rows("adamw", "--norm_scaling=True", [1.90, 1.91, 1.89])
-    rows += result_rows("muon", "--norm_scaling=True", [1.80, 1.82, 1.78])  # 0 under Muon
-    rows += result_rows("adamw", "--value_residual='learned'", [1.90, 1.91, 1.89])
-    rows += result_rows("muon", "--value_residual='learned'", [1.90, 1.91, 1.89])  # +0.1 under Muon
+    rows += result_rows("adamw", "--value_residual='half'", [1.90, 1.92, 1.88])
+    rows += result_rows("muon", "--value_residual='half'", [1.70, 1.72, 1.68])  # -0.1 under both
+    rows += result_rows("adamw", "--norm_scaling=True", [1.90, 1.92, 1.88])
+    rows += result_rows("muon", "--norm_scaling=True", [1.80, 1.83, 1.77])  # 0 under Muon
+    rows += result_rows("adamw", "--value_residual='learned'", [1.90, 1.92, 1.88])
+    rows += result_rows("muon", "--value_residual='learned'", [1.90, 1.92, 1.88])  # +0.1 under Muon
     text = flops.optimizers_table(rows)
-    line = {row.split(" | ")[0][2:]: row for row in text.splitlines() if row.startswith("| prenorm")}
+    line = table_lines(text)
     assert "| survives |" in line["prenorm --value_residual='half'"]
     assert "| n.s. under Muon |" in line["prenorm --norm_scaling=True"]
     assert "| reversed |" in line["prenorm --value_residual='learned'"]
-    assert "-0.1000 (p = " in line["prenorm --value_residual='half'"]
-    from scipy import stats
-    p = stats.ttest_ind([1.80, 1.81, 1.79], base, equal_var=False).pvalue  # Muon - AdamW for prenorm: Welch
-    assert line["prenorm"].endswith(f"| -0.2000 (p = {p:.2g}) |")
+    from scipy import stats as scipy_stats
+    p = scipy_stats.ttest_rel([1.90, 1.92, 1.88], base).pvalue  # the three AdamW Δs alike: BH leaves p as it is
+    assert f"| -0.1000 (paired t (3); p = {p:.2g}, BH = {p:.2g} *) |" in line["prenorm --value_residual='half'"]
+    own = [scipy_stats.ttest_ind(m, a, equal_var=False).pvalue for m, a in (
+        ([1.80, 1.81, 1.79], base), ([1.70, 1.72, 1.68], [1.90, 1.92, 1.88]), ([1.80, 1.83, 1.77], [1.90, 1.92, 1.88]),
+        ([1.90, 1.92, 1.88], [1.90, 1.92, 1.88]))]  # prenorm, then the designs as the table sorts them
+    assert own[0] < 1e-4 and stats.bh(own)[0] < 1e-4  # as the table prints them
+    assert line["prenorm"].endswith("| -0.2000 (Welch (3, 3); p < 1e-4, BH < 1e-4 *) |")
+    want = stats.fmt_p(stats.bh(own)[1])  # value_residual='half': -0.2 from its own runs
+    assert line["prenorm --value_residual='half'"].endswith(f"p = {stats.fmt_p(own[1])}, BH = {want} *) |")
     assert "**4 layers, 5e+12 FLOPs**" in text
     rows += result_rows("adamw", "--norm_scaling=True", [1.9], n_layer=8) + result_rows("adamw", "", base, n_layer=8)
     rows += result_rows("muon", "--norm_scaling=True", [1.7], n_layer=8) + result_rows("muon", "", base, n_layer=8)
@@ -359,20 +377,98 @@ def test_optimizers_table_reads_each_gain_under_both():
     assert one_seed[0].endswith("| – | – | – | – |")  # one seed: no test, no verdict
 
 
+def test_the_verdicts_follow_the_adjusted_p_and_a_summary_counts_every_cell():
+    """Two depths, one design: at 4 layers its AdamW gain has raw p < 0.05 but, adjusted with the 8-layer Δ
+    (BH over the family of both), not: "n.s. under both", where the raw p would say "n.s. under Muon". The last
+    line counts the Δ changes over both tables (2 lower under Muon, 1 higher), and how many have p < 0.05 and
+    survive the adjustment. --adjust=holm: Holm's column instead."""
+    import flops
+    import stats
+    base = [2.00, 2.01, 1.99, 2.02]
+    rows = result_rows("adamw", "", base) + result_rows("muon", "", [1.80, 1.81, 1.79, 1.82])
+    gain4 = [1.98, 1.985, 1.985, 1.99]  # -0.02, -0.025, -0.005, -0.03: raw p ~ 0.04
+    rows += result_rows("adamw", "--norm_scaling=True", gain4)
+    rows += result_rows("muon", "--norm_scaling=True", [1.80, 1.82, 1.78, 1.82])
+    rows += result_rows("adamw", "--value_residual='half'", [2.00, 2.015, 1.985, 2.02])  # AdamW Δ 0, +-0.005: p = 1
+    rows += result_rows("muon", "--value_residual='half'", [1.75, 1.77, 1.73, 1.77])  # Muon Δ -0.05, -0.04, ...
+    rows += result_rows("adamw", "", base, n_layer=8) + result_rows("muon", "", [1.80, 1.81, 1.79, 1.82], n_layer=8)
+    gain8 = [2.01, 2.03, 1.99, 2.02]  # +0.01, +0.02, 0, 0: raw p ~ 0.18
+    rows += result_rows("adamw", "--norm_scaling=True", gain8, n_layer=8)
+    rows += result_rows("muon", "--norm_scaling=True", [1.75, 1.765, 1.735, 1.77], n_layer=8)
+    from scipy import stats as scipy_stats
+    raw = [scipy_stats.ttest_rel(g, base).pvalue for g in (gain4, gain8, [2.00, 2.015, 1.985, 2.02])]
+    assert raw[0] < 0.05 < stats.bh(raw)[0]
+    text = flops.optimizers_table(rows)
+    row4 = table_lines(text)["prenorm --norm_scaling=True"]
+    assert f"p = {raw[0]:.2g}, BH = {stats.bh(raw)[0]:.2g})" in row4 and "| n.s. under both |" in row4
+    assert "3 Δs under AdamW, 3 under Muon, 3 Δ changes, 5 Muon − AdamW" in text
+    # Δ changes: norm_scaling at 4 layers, Muon Δ (0, +0.01, -0.01, 0) - AdamW Δ: +0.02, p ~ 0.11; value_residual
+    # at 4 layers: -0.05, p ~ 3e-4; norm_scaling at 8 layers, Muon Δ (-0.05, -0.045, -0.055, -0.05) - AdamW Δ:
+    # -0.0575, p ~ 3e-4. BH over the 3: the two small ones survive
+    assert text.rstrip().endswith("of the 3 design cells with a Δ change, the Δ is lower under Muon than under "
+                                  "AdamW (a larger gain, or a smaller loss) in 2 and higher in 1; 2 change test(s) "
+                                  "have p < 0.05, 2 of the 3 survive Benjamini-Hochberg (adjusted p < 0.05): "
+                                  "prenorm --value_residual='half' at 4 layers, 5e+12 FLOPs, "
+                                  "prenorm --norm_scaling=True at 8 layers, 5e+12 FLOPs.")
+    holm = flops.optimizers_table(rows, adjust="holm")
+    assert ", Holm = " in holm and ", BH" not in holm and "survive Holm (adjusted p < 0.05)" in holm
+
+
+def test_a_design_run_by_different_code_under_the_two_optimizers_is_flagged():
+    """The AdamW and Muon runs of one design, depth and budget with different train FLOPs per token (code
+    changed between the sweeps): a note under that table names the design and both values; equal: none."""
+    import flops
+    base = [2.00, 2.01, 1.99]
+    rows = result_rows("adamw", "", base, flops_per_token=5161728.0)
+    rows += result_rows("muon", "", [1.80, 1.81, 1.79], flops_per_token=5161728.0)
+    rows += result_rows("adamw", "--value_residual='half'", [1.90, 1.92, 1.88], flops_per_token=5358336.0)
+    rows += result_rows("muon", "--value_residual='half'", [1.70, 1.72, 1.68], flops_per_token=5359872.0)
+    text = flops.optimizers_table(rows)
+    notes = [line for line in text.splitlines() if line.startswith("note:")]
+    assert notes == ["note: prenorm --value_residual='half': train FLOPs per token 5,358,336 (AdamW runs) against "
+                     "5,359,872 (Muon runs): the two optimizers' runs came from different code"]
+
+
 def test_gain_change_is_the_difference_of_the_two_deltas_with_welch_satterthwaite():
-    """(Δ Muon) - (Δ AdamW) over four cells of seeds, against the formula written out: se^2 the sum of
-    s^2/n, df = se^4 / sum((s^2/n)^2 / (n - 1)), p two-sided from Student's t."""
+    """(Δ Muon) - (Δ AdamW) over four cells that share no seeds, against the formula written out: se^2 the sum
+    of s^2/n, df = se^4 / sum((s^2/n)^2 / (n - 1)), p two-sided from Student's t."""
     import flops
     from scipy import stats
     cells = ([1.70, 1.73, 1.72], [1.75, 1.76, 1.74, 1.75], [1.90, 1.93], [2.00, 2.01, 2.02])
-    diff, p = flops.gain_change(*cells)
+    first = (1, 10, 20, 30)  # no seed in common: each Δ is Welch's
+    change = flops.gain_change(*(dict(enumerate(c, f)) for c, f in zip(cells, first)))
     m = [sum(c) / len(c) for c in cells]
     w = [sum((x - mc) ** 2 for x in c) / (len(c) - 1) / len(c) for c, mc in zip(cells, m)]
     want = (m[0] - m[1]) - (m[2] - m[3])
     df = sum(w) ** 2 / sum(wi ** 2 / (len(c) - 1) for wi, c in zip(w, cells))
-    assert diff == pytest.approx(want) and want > 0  # a smaller gain under Muon
-    assert p == pytest.approx(2 * stats.t.sf(want / sum(w) ** 0.5, df))
-    assert flops.gain_change([1.7], *cells[1:]) == (None, None)
+    assert change["diff"] == pytest.approx(want) and want > 0  # a smaller gain under Muon
+    assert change["p"] == pytest.approx(2 * stats.t.sf(want / sum(w) ** 0.5, df))
+    assert change["test"] == "Welch-Satterthwaite"
+    assert flops.gain_change({1: 1.7}, *(dict(enumerate(c, f)) for c, f in zip(cells[1:], first[1:]))) is None
+
+
+def test_gain_change_pairs_the_seeds_when_both_deltas_are_paired_on_the_same_ones():
+    """All four cells on seeds 1..4: a paired t-test (scipy.stats.ttest_rel) of the per-seed Δ Muon_s against
+    Δ AdamW_s. Both Δs paired but on different seeds (the AdamW cells share 1..3 only): the two Δs as
+    independent estimates, se^2 = se_muon^2 + se_adamw^2 with the Welch-Satterthwaite df of their n - 1."""
+    import flops
+    from scipy import stats
+    dm, bm = [1.70, 1.73, 1.72, 1.69], [1.75, 1.76, 1.74, 1.75]
+    da, ba = [1.90, 1.93, 1.91, 1.88], [2.00, 2.01, 2.02, 1.97]
+    s = lambda v, seeds=(1, 2, 3, 4): dict(zip(seeds, v))  # noqa: E731
+    change = flops.gain_change(s(dm), s(bm), s(da), s(ba))
+    d_muon = [x - y for x, y in zip(dm, bm)]
+    d_adamw = [x - y for x, y in zip(da, ba)]
+    ref = stats.ttest_rel(d_muon, d_adamw)
+    assert change["test"] == "paired t" and change["n"] == 4
+    assert change["diff"] == pytest.approx(sum(d_muon) / 4 - sum(d_adamw) / 4)
+    assert change["p"] == pytest.approx(ref.pvalue, rel=1e-9)
+    change = flops.gain_change(s(dm), s(bm), s(da[:3], (1, 2, 3)), s(ba))  # AdamW's Δ on seeds 1..3
+    se = [statistics.stdev(d) / len(d) ** 0.5 for d in (d_muon, d_adamw[:3])]
+    diff = sum(d_muon) / 4 - sum(d_adamw[:3]) / 3
+    df = (se[0] ** 2 + se[1] ** 2) ** 2 / (se[0] ** 4 / 3 + se[1] ** 4 / 2)
+    assert change["test"] == "Welch-Satterthwaite" and change["diff"] == pytest.approx(diff)
+    assert change["p"] == pytest.approx(2 * stats.t.sf(abs(diff) / (se[0] ** 2 + se[1] ** 2) ** 0.5, df))
 
 
 def test_optimizers_table_counts_a_run_read_twice_once_and_matches_old_csvs_by_their_flops():

@@ -11,6 +11,7 @@ from model import routing  # noqa: E402
 
 import plot
 import run_config
+import stats
 from configurator import ConfigError
 from tiny_checkpoint import BLOCK, make_checkpoint
 
@@ -264,7 +265,7 @@ def test_runs_trained_without_diagnose(runs, tmp_path):
     assert plain == ["plain_s1", "sandwich", "–", "3.1000", "3.0000", "–", "–", "–"]  # val losses from the log
     assert nag[3:6] == ["2.7000", "2.7000", "4.00"]
     cell = [c.strip() for c in per_cell.strip().splitlines()[-1].split("|")[1:-1]]
-    assert cell == ["plain", "2", "3.1000 ± 0.0000", "3.0000 ± 0.0000", "–", "–", "–", "plain", *["–"] * 5]
+    assert cell == ["plain", "2", "3.1000 ± 0.0000", "3.0000 ± 0.0000", "–", "–", "–", "plain", *["–"] * 7]
     fig = plot.main(["loss", str(tmp_path / "plain_s1"), runs["nag"], f"--out={tmp_path / 'loss.png'}"])
     assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["plain_s1", "nag"]  # the dir names
 
@@ -288,7 +289,7 @@ def test_table_per_cell_over_seeds(tmp_path):
     assert cells[1] == ["nag_L2", "2", f"{2.6:.4f} ± {std(2.7, 2.5):.4f}", f"{2.6:.4f} ± {std(2.7, 2.5):.4f}",
                         f"{(4.0 + 6.0) / 2:.2f} ± {std(4.0, 6.0):.2f}", f"{(2.0 + 3.0) / 2:.2f} ± {std(2.0, 3.0):.2f}",
                         f"{(gain1 + gain2) / 2:.3f} ± {std(gain1, gain2):.3f}, {2.0:.1f} ± {std(1.0, 3.0):.1f} of 4",
-                        "nag_L2", "–", "–", "–", "–", "–"]  # its own baseline: nothing to test
+                        "nag_L2", *["–"] * 7]  # its own baseline: nothing to test
 
 
 def final_val_runs(root, cells, paces=None):
@@ -307,8 +308,8 @@ def final_val_runs(root, cells, paces=None):
 
 def test_table_tests_each_cell_against_its_baseline(tmp_path):
     """Each cell's final val loss against a baseline cell, by default the first cell of its depth
-    (sublayers), else --baseline: the columns are run_config.significance_cells of the two cells' losses
-    (Welch's test: tests/test_stats.py), so a cell compared with the wrong baseline fails."""
+    (sublayers), else --baseline: the columns are stats.family_cells of the table's pairs of cells, their losses
+    by seed (tests/test_stats.py), so a cell compared with the wrong baseline fails."""
     deep = [{"sublayer": l, "kind": "mlp" if l % 2 == 0 else "attn", "rms": 0.1 * l, "update": 0.5}
             for l in range(1, 9)] + [{"sublayer": 9, "kind": "head", "rms": 1.0}]  # 4 layers
     losses = {"a_L2": [2.70, 2.72, 2.71], "b_L2": [2.60, 2.61, 2.63], "c_L4": [2.50, 2.58, 2.52],
@@ -322,14 +323,18 @@ def test_table_tests_each_cell_against_its_baseline(tmp_path):
         per_cell = text.split("Per cell")[1]
         return {r[0]: r for r in ([c.strip() for c in line.split("|")[1:-1]] for line in per_cell.splitlines()
                                   if line.startswith("| ") and "---" not in line)}
+    seeded = {c: dict(enumerate(v, 1)) for c, v in losses.items()}
+    family = lambda *pairs: stats.family_cells([(seeded[c], seeded[b]) for c, b in pairs])[0]  # noqa: E731
     got = rows()
-    assert got["a_L2"][7:] == ["a_L2", "–", "–", "–", "–", "–"] and got["c_L4"][7:] == ["c_L4", *["–"] * 5]
-    assert got["b_L2"][7:] == ["a_L2", *run_config.significance_cells(losses["b_L2"], losses["a_L2"]), "2.00x"]
-    assert got["d_L4"][7:] == ["c_L4", *run_config.significance_cells(losses["d_L4"], losses["c_L4"]), "2.50x"]
-    assert got["b_L2"][10].endswith(" *") and got["b_L2"][11] == "significant"  # 0.1 apart, std ~0.015
-    assert not got["d_L4"][10].endswith(" *")  # 0.027 apart, std ~0.04: not at 3 seeds
+    assert got["a_L2"][7:] == ["a_L2", *["–"] * 7] and got["c_L4"][7:] == ["c_L4", *["–"] * 7]
+    want = family(("b_L2", "a_L2"), ("d_L4", "c_L4"))
+    assert got["b_L2"][7:] == ["a_L2", *want[0], "2.00x"]
+    assert got["d_L4"][7:] == ["c_L4", *want[1], "2.50x"]
+    assert got["b_L2"][10] == "paired t (3)"
+    assert got["b_L2"][12].endswith(" *") and got["b_L2"][13] == "significant"  # 0.1 apart, sd of diffs ~0.015
+    assert not got["d_L4"][12].endswith(" *")  # 0.027 apart, sd of diffs ~0.02: not at 3 seeds
     got = rows("--baseline=b_L2")
-    assert got["d_L4"][7:] == ["b_L2", *run_config.significance_cells(losses["d_L4"], losses["b_L2"]), "1.14x"]
+    assert got["d_L4"][7:] == ["b_L2", *family(("a_L2", "b_L2"), ("c_L4", "b_L2"), ("d_L4", "b_L2"))[2], "1.14x"]
     with pytest.raises(ConfigError, match="--baseline=e_L2 is not a cell"):
         plot.main(["table", *dirs, "--baseline=e_L2"])
 
@@ -573,5 +578,8 @@ def test_table_and_flops_results_pick_the_same_baseline(tmp_path, capsys):
             text.split("against a baseline cell")[1].split("Every run")[0].splitlines() if line.startswith("| ")]
     rows = [row for row in rows if row[0] in losses]
     assert {row[0]: row[1] for row in rows} == {c: "prenorm_L2" for c in losses if c != "prenorm_L2"}
-    for row in rows:  # the same test of the same losses in both tables
-        assert row[2:6] == run_config.significance_cells(losses[row[0]], losses["prenorm_L2"])
+    want = stats.family_cells([(dict(enumerate(losses[row[0]], 1)), dict(enumerate(losses["prenorm_L2"], 1)))
+                               for row in rows])[0]
+    plot_rows = {row[0]: row for row in per_cell}
+    for row, cells in zip(rows, want):  # the same test of the same losses, the same family, in both tables
+        assert row[2:8] == cells == plot_rows[row[0]][8:14]
