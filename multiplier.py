@@ -479,6 +479,32 @@ def depth_lines(rows, results, pairs):
     return lines
 
 
+def optimum_lines(rows, pairs):
+    """Where each baseline's optimum is: at every budget it ran, its mean loss at each depth and its best depth
+    (short depths in brackets, never the best; 'edge': no measured depth on one side)."""
+    by = depth_cells(rows, pairs)
+    design = {r["cell"]: design_of(r) for r in rows}
+    lines = []
+    for base in sorted({design[b] for b in pairs.values()}):
+        depths = sorted(by[base])
+        if len(depths) < 2:
+            continue
+        lines += ["", f"Where {base}'s compute-optimal depth is: its mean final loss at each depth and budget (in "
+                  f"brackets: short, under {MIN_STEPS} steps), and the best depth.", "",
+                  "| budget | " + " | ".join(f"{d} layers" for d in depths) + " | best depth |",
+                  "|" + "---|" * (len(depths) + 2)]
+        for b in sorted({b for g in by[base].values() for b in g if b is not None}):
+            best = best_depth(by[base], b)
+            shown = []
+            for d in depths:
+                runs = at_seeds({b: by[base][d][b]}) if b in by[base][d] else {}
+                loss = f"{mean(y for _, y in runs[b]):.4f}" if runs else "-"
+                shown.append(f"({loss})" if runs and short(by[base][d], b) else loss)
+            where = "-" if best is None else f"{best[0]} (edge)" if on_edge(by[base], b, best[0]) else f"{best[0]}"
+            lines.append(f"| {b:.3g} | " + " | ".join(shown) + f" | {where} |")
+    return lines
+
+
 def frontier_lines(rows, pairs):
     """The compute-optimal frontier of each design against its baseline's, over their depths, at each budget
     the design ran: both optima with the depths on their sides, the frontier multiplier where both are
@@ -762,6 +788,7 @@ def report(rows, pairs, step_times=""):
     lines += ["", "The fits (each baseline with the cells compared with it):", "", "| baseline | fit |", "|---|---|"]
     lines += [f"| {b} | {law} |" for b, law in fits.items()]
     lines += depth_lines(rows, results, pairs)
+    lines += optimum_lines(rows, pairs)
     lines += frontier_lines(rows, pairs)
     if step_times:
         lines += throughput_lines(results, step_times)

@@ -274,3 +274,18 @@ def test_a_baseline_curve_is_made_of_its_long_enough_budgets():
     assert mult.long_enough(g([100, 1000, 1000, 1000, 1000])).keys() == set(BUDGETS[1:])
     with pytest.raises(mult.Degenerate, match="same compute"):
         mult.measured_curve({1: [(1.0, 3.0)], 2: [(1.0, 2.0)]})
+
+
+def test_the_baselines_optimum_table_gives_every_budget_and_depth(tmp_path):
+    """prenorm's optimum at 2 layers at every budget (and 1 layer, the edge, where its bowl is moved): the
+    table has a row per budget with each depth's mean loss, short ones in brackets, and the best depth."""
+    cells = grid(design_best=3, base_best=2)
+    cells["prenorm_L1"] = ("prenorm", 1, lambda c: base_loss(c) - (0.2 if c == BUDGETS[0] else 0) + bowl(2)(1),
+                           BUDGETS)
+    iters = lambda name, b: 150 if (name, b) == ("prenorm_L8", BUDGETS[0]) else 1000  # noqa: E731
+    text = flops.multiplier([str(sweep_csv(tmp_path / "r.csv", cells, iters=iters)), f"--out={tmp_path / 'm.png'}"])
+    rows = table(text, "Where prenorm's compute-optimal depth is", 7)
+    assert [r[0] for r in rows] == [f"{b:.3g}" for b in BUDGETS]
+    assert rows[0][6] == "1 (edge)" and [r[6] for r in rows[1:]] == ["2"] * 4
+    assert rows[0][5] == f"({base_loss(BUDGETS[0]) + bowl(2)(8):.4f})"  # short: in brackets
+    assert rows[2][2] == f"{base_loss(BUDGETS[2]):.4f}"
