@@ -21,7 +21,6 @@ MEASURED = (  # rows quoting bench.py timings (or a look at routing): their figu
     "the quickstart against nanoGPT itself",
     "MoD saves time when sampling",
     "what the designs cost on this CPU",
-    "how much compute each design is worth, at",
 )
 FIGURE = re.compile(r"(?<![\w.])[+\-−]?(\d+\.\d+)x?(?![\w.])")  # a decimal figure, its sign and an "x" dropped
 
@@ -87,3 +86,12 @@ def test_a_changed_figure_is_caught():
     assert changed != README
     bad = {q[:30]: stale(r, c) for q, r, c in checked_rows(changed)}
     assert [(q, v) for q, v in bad.items() if v] == [("`mod=router` on prenorm at equ", ["1.8419"])]
+
+
+def test_the_depth_tables_figures_are_what_the_multiplier_command_prints():
+    """The README's "Compute multipliers by depth" section: every decimal figure is printed by its command."""
+    section = README.split("\n### Compute multipliers by depth\n", 1)[1].split("```bash", 1)[0]
+    command = "python flops.py multiplier docs/sweep_depth_multiplier_cpu.csv --step_times=docs/step_times_cpu.csv"
+    assert command in README.split("\n### Compute multipliers by depth\n", 1)[1]
+    missing = stale(section, [command])
+    assert not missing, f"the depth section quotes {missing}, not printed by {command}"
