@@ -745,9 +745,14 @@ def results_markdown(rows, cells, what, baseline=None, adjust="holm"):
     fmt = lambda v, spec: "-" if v in (None, "") else format(v, spec)  # noqa: E731
     pm = lambda c, k: fmt(c[k], ".4f") + ("" if c[k + "_std"] is None else f" ± {c[k + '_std']:.4f}")  # noqa: E731
     seeds = sorted({r["seed"] for r in rows})
+    done = [r for r in rows if r["status"] == "done"]
+    periodic = sum(r.get("eval_tokens") is None for r in done)
+    measure = ("the final eval on the whole val split" if not periodic else
+               f"the last periodic eval (eval_iters batches) for {periodic} of the {len(done)} runs, which ran before "
+               f"the final eval existed: compare these losses only with runs measured the same way")
     lines = [f"{what}; seeds {', '.join(map(str, seeds))}. "
              "Per cell: mean ± sample std (n - 1) over its finished runs; executed = the mean fraction of "
-             "tokens a sublayer ran (eval: the last eval's routing).", "",
+             f"tokens a sublayer ran (eval: the last eval's routing). The loss: {measure}.", "",
              "| cell | residual | layers | mod | mod_rate | args | runs done | iters | non-emb params "
              "| train FLOPs/token | eval fwd FLOPs/token | executed (train / eval) | final val loss | best val loss "
              "| s per run | s/iter (median) | train FLOPs per run |", "|" + "---|" * 17]

@@ -289,3 +289,28 @@ def test_the_baselines_optimum_table_gives_every_budget_and_depth(tmp_path):
     assert rows[0][6] == "1 (edge)" and [r[6] for r in rows[1:]] == ["2"] * 4
     assert rows[0][5] == f"({base_loss(BUDGETS[0]) + bowl(2)(8):.4f})"  # short: in brackets
     assert rows[2][2] == f"{base_loss(BUDGETS[2]):.4f}"
+
+
+def test_every_table_names_its_loss_measure(tmp_path):
+    """A CSV from before the final eval (no eval_tokens) is labelled as the last periodic eval in both the
+    results and the multiplier tables; one whose runs all have a final eval says so."""
+    cells = {"prenorm": ("prenorm", 4, base_loss, BUDGETS), "nag": ("nag", 4, lambda c: base_loss(2 * c), BUDGETS[1:4])}
+    old = sweep_csv(tmp_path / "old.csv", cells, noise=0.003)
+    text = flops.multiplier([str(old), f"--out={tmp_path / 'm.png'}"])
+    assert "Loss measure: " in text and "have no final eval" in text
+    rows = list(csv.DictReader(open(old)))
+    for r in rows:
+        r["eval_tokens"], r["val_se"] = "111360", "0.005"
+    with open(tmp_path / "new.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, flops.FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+    text = flops.multiplier([str(tmp_path / "new.csv"), f"--out={tmp_path / 'm.png'}"])
+    assert "Loss measure: the final eval on the whole val split" in text and "have no final eval" not in text
+    one = [r for r in rows if float(r["budget"]) == BUDGETS[1]]
+    for name, measure in (("final", "the final eval on the whole val split"), ("periodic", "the last periodic eval")):
+        with open(tmp_path / f"{name}.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, flops.FIELDS)
+            w.writeheader()
+            w.writerows([r | {"eval_tokens": r["eval_tokens"] if name == "final" else ""} for r in one])
+        assert f"The loss: {measure}" in flops.results([str(tmp_path / f"{name}.csv")])
