@@ -905,6 +905,8 @@ def plot_results(cells, budget, path):
 PLAN_DEFAULTS = dict(
     gpu=None,  # the GPU (PEAK_FLOPS) of the hours, e.g. H100; None: the runs' device here (a CPU: no hours); "": none
     mfu=0.35,  # the model FLOPs utilisation assumed on that GPU
+    like="",  # a results.csv of runs finished on this machine: each run's hours from their seconds per training FLOP
+    #           (the runs of the same residual, args and depth, else the nearest depth's), the sweep's jobs at a time
 )
 
 
@@ -919,7 +921,7 @@ def plan(argv):
     if "--help" in argv or "-h" in argv:  # its own keys, then the sweep's
         configure(["--help"], {**PLAN_DEFAULTS, **SWEEP_DEFAULTS}, [(__file__, "PLAN_DEFAULTS"),
                                                                    (__file__, "SWEEP_DEFAULTS")], about)
-    own = [a for a in argv if a.startswith(("--gpu=", "--mfu="))]
+    own = [a for a in argv if a.startswith(("--gpu=", "--mfu=", "--like="))]
     opts = configure(own, PLAN_DEFAULTS, [(__file__, "PLAN_DEFAULTS")], about)
     sw = configure([a for a in argv if a not in own], SWEEP_DEFAULTS, [(__file__, "SWEEP_DEFAULTS")])
     if isinstance(opts["mfu"], bool) or not isinstance(opts["mfu"], (int, float)) or not 0 < opts["mfu"] <= 1:
@@ -947,7 +949,7 @@ def plan(argv):
                           f"A10, L40S, L4, RTX 4090 (or --gpu='' for FLOPs only)")
     seeds = max(len(sw["seeds"]), 1)
     base_argv = [os.path.abspath(sw["train_config"]), *sw["train_args"]]
-    per_budget = {}
+    per_budget, pace, seconds = {}, seconds_per_flop(opts["like"]) if opts["like"] else None, 0.0
     for name, overrides in sweep_cells(sw):
         cfg = train_config([*base_argv, *override_args(overrides)])
         config = model_config(cfg)
@@ -959,6 +961,9 @@ def plan(argv):
             eval_tokens = evals * 2 * cfg["eval_iters"] * cfg["batch_size"] * cfg["block_size"] + cfg["final_eval_tokens"]
             runs, fl = per_budget.get(b, (0, 0.0))
             per_budget[b] = (runs + seeds, fl + seeds * (iters * tokens * train_pt + eval_tokens * fwd_pt))
+            if pace:
+                seconds += seeds * iters * tokens * train_pt * pace(overrides.get("residual", cfg["residual"]),
+                                                                    cell_args(overrides), config.n_layer)
     hours = (lambda f: f / (peak * opts["mfu"]) / 3600) if peak else None
     lines = [f"sweep {sw['sweep_name']} ({len(sweep_cells(sw))} cells x {seeds} seed(s)): "
              f"{sum(n for n, _ in per_budget.values())} runs", "",
@@ -970,13 +975,38 @@ def plan(argv):
     total = sum(fl for _, fl in per_budget.values())
     lines += ["", f"total: {total:.3g} FLOPs" + (f"; on one {opts['gpu']} ({peak / 1e12:.0f} TFLOP/s peak bf16) at "
                                                  f"{opts['mfu']:.0%} MFU: {hours(total):.1f} hours" if peak else "")]
-    if on_cpu:
+    if pace:
+        lines += [f"on this machine, from the seconds per training FLOP of the runs in {opts['like']}: "
+                  f"{seconds / sw['jobs'] / 3600:.1f} hours, {sw['jobs']} at a time"]
+    elif on_cpu:
         lines += [f"no hours: its runs' device ({on_cpu}) is the CPU on this machine, where a GPU's peak and MFU do "
                   f"not apply (flops.py sweep estimates the time left from its finished runs); --gpu=H100 gives "
                   f"the hours on one such GPU"]
     text = "\n".join(lines) + "\n"
     print(text, end="")
     return text
+
+
+def cell_args(overrides):
+    """A cell's keys other than GRID_KEYS, as a results.csv's args column writes them."""
+    return " ".join(override_args({k: v for k, v in overrides.items() if k not in GRID_KEYS}))
+
+
+def seconds_per_flop(path):
+    """pace(residual, args, depth): the median seconds per training FLOP of the finished runs in a results.csv
+    with that residual and args at that depth, else at the nearest depth they ran (the cost per FLOP of a run
+    changes with its depth), else of every run."""
+    runs = [r for r in read_results(path) if r["status"] == "done" and r.get("seconds") and r.get("flops")]
+    if not runs:
+        raise ConfigError(f"like={path} has no finished run with its seconds and FLOPs: pass a results.csv of runs "
+                          f"finished on this machine")
+    rate = lambda rs: statistics.median(r["seconds"] / r["flops"] for r in rs)  # noqa: E731
+
+    def pace(residual, args, depth):
+        same = [r for r in runs if r["residual"] == residual and (r["args"] or "") == args] or runs
+        nearest = min({r["n_layer"] for r in same}, key=lambda d: (abs(math.log2(d / depth)), d))
+        return rate([r for r in same if r["n_layer"] == nearest])
+    return pace
 
 
 # -----------------------------------------------------------------------------

@@ -26,9 +26,9 @@
 # A cell under 300 optimizer steps (8 layers at 1.25e12, 16 at 1.25e12 and 2.5e12) is short: flops.py multiplier
 # prints it but leaves it out of every headline figure (config/sweep_depth_halfbatch_cpu.py checks one at half batch).
 #
-# 34 design cells x 2 budgets + 6 baseline cells x 5 budgets, x 5 seeds: 490 runs, about 12.5 hours on 2 cores
-# (the 235 runs at 4, 8 and 16 layers took 6; a shallow run costs about what a 4-layer one does at the same budget,
-# which the committed runs' seconds give), two at a time, smallest budget first, seed by seed (resumable: run it
+# 34 design cells x 2 budgets + 6 baseline cells x 5 budgets, x 5 seeds: 490 runs, about 12.7 hours on 2 cores
+# (python flops.py plan config/sweep_depth_multiplier_cpu.py --like=docs/sweep_depth_multiplier_cpu.csv: the
+# committed runs' seconds per FLOP; the 235 runs at 4, 8 and 16 layers took 6), two at a time, smallest budget first, seed by seed (resumable: run it
 # again; finished runs are skipped; --cells="['prenorm_L1', ...]" runs some cells first):
 # OMP_NUM_THREADS=1 python flops.py sweep config/sweep_depth_multiplier_cpu.py
 # python flops.py multiplier out/sweep_depth_multiplier_cpu/results.csv

@@ -4,7 +4,8 @@
 # for AdamW), for prenorm and the 5 designs the Muon comparison runs, 1 seed. The seed is 11, no seed of an
 # evaluated cell (those run seeds 1 to 5): a run that chose an LR is never also a run its choice is judged on.
 #
-# 6 designs x 6 (optimizer, LR) = 36 runs, about 35 minutes on 2 cores, two at a time (resumable):
+# 6 designs x 6 (optimizer, LR) = 36 runs, about 0.7 hours on 2 cores, two at a time (flops.py plan ... --like=
+# docs/sweep_depth_multiplier_cpu.csv; resumable):
 # OMP_NUM_THREADS=1 python flops.py sweep config/sweep_lr_check_cpu.py
 # python flops.py results docs/sweep_lr_check_cpu.csv   # every (design, optimizer, LR) cell's final val loss
 

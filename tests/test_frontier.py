@@ -5,6 +5,7 @@ frontier multiplier is, and whether an interval covers the truth at its nominal 
 import csv
 import math
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -314,3 +315,29 @@ def test_every_table_names_its_loss_measure(tmp_path):
             w.writeheader()
             w.writerows([r | {"eval_tokens": r["eval_tokens"] if name == "final" else ""} for r in one])
         assert f"The loss: {measure}" in flops.results([str(tmp_path / f"{name}.csv")])
+
+
+def test_plan_like_gives_hours_from_finished_runs(tmp_path):
+    """flops.py plan --like=CSV: each run's seconds are its training FLOPs x the seconds per FLOP of the finished
+    runs of the same residual and args at the nearest depth; the hours are their sum over the jobs."""
+    rows = []
+    for cell, depth, rate in (("prenorm_L1", 1, 3e-11), ("prenorm_L4", 4, 1e-11), ("nag_L4", 4, 2e-11)):
+        rows.append({k: "" for k in flops.FIELDS} | {
+            "run": f"{cell}_s1", "cell": cell, "seed": 1, "residual": cell.split("_")[0], "n_layer": depth,
+            "mod": "", "mod_rate": 0.0, "args": "", "status": "done", "iters": 10, "tokens": 1, "val_loss": 2.0,
+            "flops": 1e12, "seconds": rate * 1e12})
+    like = tmp_path / "like.csv"
+    with open(like, "w", newline="") as f:
+        w = csv.DictWriter(f, flops.FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+    pace = flops.seconds_per_flop(str(like))
+    assert pace("prenorm", "", 1) == pytest.approx(3e-11) and pace("prenorm", "", 2) == pytest.approx(3e-11)
+    assert pace("prenorm", "", 3) == pytest.approx(1e-11) and pace("nag", "", 16) == pytest.approx(2e-11)
+    assert pace("mudd", "", 4) == pytest.approx(1.5e-11)  # no mudd run: every run's at that depth, their median
+    cfg = tmp_path / "sweep.py"
+    cfg.write_text(f"train_config = {str(REPO / 'config/shakespeare_char_cpu.py')!r}\nbudget = 1e15\n"
+                   "depths = [1, 4]\nresiduals = ['prenorm']\njobs = 2\n")
+    text = flops.plan([str(cfg), f"--like={like}"])
+    hours = float(re.search(r"in \S+: ([\d.]+) hours, 2 at a time", text)[1])
+    assert hours == pytest.approx((3e-11 + 1e-11) * 1e15 / 2 / 3600, rel=0.02)  # 5.6 hours
