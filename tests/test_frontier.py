@@ -61,12 +61,15 @@ def grid(design_best, base_best, worth=1.5, depths=DEPTHS, **kw):
 
 
 def table(text, title, width):
-    """The rows of the table that follows `title`, as lists of stripped cells, those with `width` cells."""
-    out = []
+    """The rows of the first table after `title` with `width` cells, as lists of stripped cells."""
+    out, started = [], False
     for line in text.split(title, 1)[1].splitlines():
         parts = [p.strip() for p in line.strip().strip("|").split("|")]
         if line.startswith("|") and len(parts) == width and not set(parts[0]) <= {"-"}:
             out.append(parts)
+            started = True
+        elif started and not line.startswith("|"):
+            break  # the first such table after the title only
     return out[1:]  # the header
 
 
