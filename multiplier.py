@@ -890,6 +890,7 @@ def plot_frontier(rows, pairs, path):
                                                                                                 else -9),
                             textcoords="offset points")
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # 2x-apart budgets: no crowded labels
         ax.set_title(f"{name} against {base} (frontier: best depth, labelled; open: on the grid's edge)", fontsize=8)
         ax.set_xlabel("training FLOPs")
         ax.grid(alpha=0.3)
