@@ -415,11 +415,6 @@ def depth_cells(rows, pairs):
     return by
 
 
-def adjusted_column(ps):
-    """Holm's adjustment of a table's p-values, formatted (stats.fmt_p), in order."""
-    return [stats.fmt_p(p) for p in stats.holm(ps)]
-
-
 def fjk(j):
     """A jackknife's value and interval as the tables print them."""
     if j is None:
