@@ -1018,6 +1018,8 @@ MULTIPLIER_DEFAULTS = dict(
     #                 adjusted multiplier on their device (3 runs or more: the drift between runs is in its interval)
     out=None,  # the figure; None: <first csv without .csv>_multiplier.png beside it, or in out/ for a CSV in docs/;
     #            with depths, the frontier figure beside it (_frontier.png)
+    val_bin="",  # the val split the runs evaluated on (data/<dataset>/val.bin): the lowest loss a 0-layer model can
+    #              reach on its tokens bounds the depth grid's shallow end, so a best depth of 1 below it is bracketed
 )
 
 
@@ -1038,14 +1040,24 @@ def multiplier(argv):
         text = "No cell to compare: every cell is its own depth's baseline (--baseline=CELL names one).\n"
         print(text, end="")
         return text
-    text, results = mult.report(rows, pairs, cfg["step_times"])
+    floor = None
+    if cfg["val_bin"]:
+        tokens = {int(float(r["eval_tokens"])) for r in rows if r.get("status") == "done" and r.get("eval_tokens")}
+        if len(tokens) != 1:
+            raise ConfigError(f"--val_bin needs runs that all evaluated on one number of val tokens, got "
+                              f"{sorted(tokens) or 'none'}: pass the CSVs of one final eval")
+        if not os.path.isfile(cfg["val_bin"]):
+            raise ConfigError(f"--val_bin={cfg['val_bin']}: no such file (python data/<dataset>/prepare.py writes it)")
+        floor = mult.bigram_floor(cfg["val_bin"], tokens.pop())
+    text, results = mult.report(rows, pairs, cfg["step_times"], floor)
     name = os.path.splitext(files[0])[0] + "_multiplier.png"
     in_docs = os.path.dirname(os.path.abspath(files[0])) == os.path.join(HERE, "docs")
     path = cfg["out"] or (os.path.join(HERE, "out", os.path.basename(name)) if in_docs else name)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     mult.plot(rows, results, path)
     text += f"\nfigure: {path}\n"
-    front = mult.plot_frontier(rows, pairs, re.sub(r"_multiplier$", "", os.path.splitext(path)[0]) + "_frontier.png")
+    front = mult.plot_frontier(rows, pairs, re.sub(r"_multiplier$", "", os.path.splitext(path)[0]) + "_frontier.png",
+                               floor)
     if front:
         text += f"frontier figure: {front}\n"
     print(text, end="")
@@ -1222,9 +1234,65 @@ def optimizers_table(rows, baseline="prenorm", adjust="bh"):
     return "\n".join(lines) + "\n"
 
 
+def lr_check_table(rows, check_rows, chosen):
+    """Markdown: whether each evaluated cell ran at its best learning rate. check_rows: an LR check's runs (one
+    seed each; config/sweep_lr_check_cpu.py), several LRs per design and optimizer at one depth and budget;
+    rows: the evaluated cells' runs (optimizers_table's). Per design and optimizer: the loss at each LR, the
+    best, the evaluated cells' LR (chosen: {optimizer: LR}) and its gap to the best, and whether that gap is
+    within noise: below t(0.975, seeds - 1) x sqrt(2) x the evaluated cell's seed sd, the 95% band of a
+    difference between two single runs (unpaired, so a wide band: a gap outside it is off the best)."""
+    losses, _, _ = optimizer_losses(rows)
+    check = {}  # (optimizer, design, depth, budget): {lr: loss}
+    for r in check_rows:
+        if r["status"] != "done":
+            continue
+        args = (r.get("args") or "").split()
+        opt = "muon" if "--optimizer='muon'" in args else "adamw"
+        flag = "--muon_lr=" if opt == "muon" else "--learning_rate="
+        lr = next((float(a[len(flag):]) for a in args if a.startswith(flag)), chosen[opt])
+        design, L, budget = optimizer_key({**r, "args": " ".join(a for a in args if not a.startswith(
+            "--learning_rate="))})[1:]
+        check.setdefault((opt, design, L, budget), {})[lr] = r["val_loss"]
+    if not check:
+        raise ConfigError("--lr_check: no finished run in it (python flops.py sweep config/sweep_lr_check_cpu.py "
+                          "writes one)")
+    lines = ["", f"The learning rate: each design's final val loss at each LR of the check (one run each, seed "
+             f"unshared with the cells), the best LR ('edge': the lowest or highest tried), the LR the evaluated "
+             f"cells ran ({', '.join(f'{o} {v:g}' for o, v in chosen.items())}) and its gap to the best; within "
+             f"noise: a gap below t(0.975, seeds - 1) x sqrt(2) x the evaluated cell's seed sd at this depth and "
+             f"budget (two single runs, unpaired: a generous band).", "",
+             "| design | optimizer | depth, budget | loss at each LR | best LR | chosen LR | gap | noise band (seeds) "
+             "| verdict |", "|" + "---|" * 9]
+    verdicts = []
+    for (opt, design, L, budget), by_lr in sorted(check.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        best = min(by_lr, key=by_lr.get)
+        edge = " (edge)" if best in (min(by_lr), max(by_lr)) and len(by_lr) > 2 else ""
+        c = chosen[opt]
+        evaluated = [v for (o, d, l, b), v in losses.items() if (o, d, l, b) == (opt, design, L, budget)]
+        sd, n = (stats.mean_std(list(evaluated[0].values()))[1], len(evaluated[0])) if evaluated else (None, 0)
+        band = None if not sd else stats.t_quantile(n - 1) * math.sqrt(2) * sd
+        if c not in by_lr:
+            gap, verdict = None, f"the chosen LR {c:g} is not in the check"
+        else:
+            gap = by_lr[c] - by_lr[best]
+            verdict = ("the best" if c == best else "no evaluated cell: no band" if band is None else
+                       "within noise" if gap <= band else "off its best LR")
+        verdicts.append(verdict)
+        shown = ", ".join(f"{lr:g}: {by_lr[lr]:.4f}" for lr in sorted(by_lr))
+        lines.append(f"| {design} | {opt} | {L} layers, {budget:.3g} | {shown} | {best:g}{edge} | {c:g} | "
+                     f"{'-' if gap is None else f'{gap:+.4f}'} | {'-' if band is None else f'{band:.4f} ({n})'} | "
+                     f"{verdict} |")
+    count = collections.Counter(verdicts)
+    lines += ["", "Over the check: " + ", ".join(f"{n} {v}" for v, n in count.most_common()) + "."]
+    return "\n".join(lines) + "\n"
+
+
 OPTIMIZERS_DEFAULTS = dict(
     baseline="prenorm",  # the design each other is compared with under the same optimizer (its residual and keys)
     adjust="bh",  # each family's p adjusted for its number of tests: bh (Benjamini-Hochberg, FDR) or holm
+    lr_check="",  # an LR check's results.csv (config/sweep_lr_check_cpu.py): adds whether each cell ran at its best LR
+    chosen_lr="adamw=0.001,muon=0.02",  # the LRs the evaluated cells ran (config/shakespeare_char_cpu.py's
+    #                                     learning_rate; config/sweep_muon_cpu.py's muon_lr)
 )
 
 
@@ -1237,6 +1305,14 @@ def optimizers(argv):
                                 "docs/sweep_muon_cpu_5e12.csv docs/sweep_multiplier_cpu.csv")
     check_adjust(cfg["adjust"])
     text = optimizers_table(rows, cfg["baseline"], cfg["adjust"])
+    if cfg["lr_check"]:
+        try:
+            chosen = {o: float(v) for o, v in (item.split("=") for item in cfg["chosen_lr"].split(","))}
+        except ValueError:
+            raise ConfigError(f"--chosen_lr={cfg['chosen_lr']}: give optimizer=LR pairs, e.g. adamw=0.001,muon=0.02")
+        if set(chosen) != {"adamw", "muon"}:
+            raise ConfigError(f"--chosen_lr={cfg['chosen_lr']}: give both optimizers' LRs, e.g. adamw=0.001,muon=0.02")
+        text += lr_check_table(rows, read_results(cfg["lr_check"]), chosen)
     print(text, end="")
     return text
 

@@ -352,11 +352,36 @@ def best_depth(groups_by_depth, budget, seeds=None):
     return d, pts[d]
 
 
-def on_edge(groups_by_depth, budget, depth):
+def on_edge(groups_by_depth, budget, depth, floor=None):
     """Whether `depth` lacks a measured depth on one side at the budget: the shallowest or the deepest run
-    there (a short depth counts as measured: it bounds the optimum though it cannot be it)."""
+    there (a short depth counts as measured: it bounds the optimum though it cannot be it). floor: the lowest
+    loss any 0-layer model can reach (bigram_floor); a best depth of 1 whose mean loss is below it has the
+    0-layer model beneath it, worse at every budget, so that side is bracketed."""
     measured = [d for d, g in groups_by_depth.items() if budget in g]
-    return depth == min(measured) or depth == max(measured)
+    if depth == max(measured):
+        return True
+    if depth != min(measured):
+        return False
+    return not (depth == 1 and floor is not None and mean(y for _, y in at_seeds({budget: groups_by_depth[1][budget]})[
+        budget]) < floor)
+
+
+def bigram_floor(val_bin, tokens):
+    """The lowest mean loss any 0-layer model can reach on the first `tokens` next-token targets of a val split
+    (val.bin: uint16 token ids, as train.py's final eval reads them). Without a block, a model's logits are a
+    function of the current token alone (token embedding, final norm, head; RoPE adds no position embedding),
+    and no predictor of the next token from the current one scores below their empirical conditional entropy
+    on the very pairs scored (Gibbs' inequality): a bound that holds at every budget, for every design."""
+    data = np.memmap(val_bin, dtype=np.uint16, mode="r")
+    if len(data) < tokens + 1:
+        raise ValueError(f"{val_bin} has {len(data)} tokens, fewer than the {tokens:,} the runs evaluated on + 1: "
+                         f"pass the val split they evaluated on")
+    data = data[:tokens + 1].astype(np.int64)
+    V = int(data.max()) + 1
+    counts = np.bincount(data[:-1] * V + data[1:], minlength=V * V).reshape(V, V).astype(np.float64)
+    cond = counts / np.maximum(counts.sum(1, keepdims=True), 1)
+    seen = counts > 0
+    return float(-(counts[seen] * np.log(cond[seen])).sum() / tokens)
 
 
 def best_curve(groups_by_depth, seeds=None):
@@ -371,16 +396,17 @@ def best_curve(groups_by_depth, seeds=None):
     return out
 
 
-def frontier_at(base_by_depth, design_by_depth, budget, seeds=None):
+def frontier_at(base_by_depth, design_by_depth, budget, seeds=None, floor=None):
     """The frontier multiplier at a budget, over the runs at `seeds`: the compute at which the baseline's
     best-of-depths curve reaches the design's best-of-depths loss, over the design's compute there. Raises
     Degenerate (its reason) where an optimum it rests on is on the grid's edge (the design's at this budget,
-    or the baseline's at either budget of the curve segment it reads), or the loss is outside the curve."""
+    or the baseline's at either budget of the curve segment it reads), or the loss is outside the curve. floor:
+    on_edge's 0-layer bound."""
     mine, curve = best_curve(design_by_depth, seeds), best_curve(base_by_depth, seeds)
     if budget not in mine:
         raise Degenerate("no depth of the design with enough steps here")
     d, loss, c = mine[budget]
-    if on_edge(design_by_depth, budget, d):
+    if on_edge(design_by_depth, budget, d, floor):
         raise Degenerate(f"the design's optimum ({d} layers) is on the grid's edge")
     pts = sorted((cb, y, b) for b, (_, y, cb) in curve.items())
     if len(pts) < 2 or not all(y2 < y1 for (_, y1, _), (_, y2, _) in zip(pts, pts[1:])):
@@ -389,10 +415,19 @@ def frontier_at(base_by_depth, design_by_depth, budget, seeds=None):
         raise Degenerate("the design's best loss is outside the baseline's best-of-depths range")
     k = next(k for k in range(1, len(pts)) if loss >= pts[k][1])  # the segment pts[k-1]..pts[k]
     for _, _, b in (pts[k - 1], pts[k]):
-        if on_edge(base_by_depth, b, curve[b][0]):
+        if on_edge(base_by_depth, b, curve[b][0], floor):
             raise Degenerate(f"the baseline's optimum at {b:.3g} ({curve[b][0]} layers) is on the grid's edge")
     inverse, _ = measured_curve({b: [(curve[b][2], curve[b][1])] for b in curve})
     return inverse(loss) / c
+
+
+def shared_seeds(design_by_depth, base_by_depth, budget):
+    """The seeds that every depth of the design has at the budget and every depth of the baseline at all of
+    its budgets: the frontier is read on these alone, so that its jackknife leaves out whole seeds (a seed
+    one cell lacks would be compared with nothing)."""
+    groups = [g[budget] for g in design_by_depth.values() if budget in g]
+    groups += [runs for g in base_by_depth.values() for runs in g.values()]
+    return sorted(set.intersection(*(set(runs) for runs in groups)), key=str)
 
 
 def best_gap(base_by_depth, design_by_depth, budget, seeds=None):
@@ -474,9 +509,10 @@ def depth_lines(rows, results, pairs):
     return lines
 
 
-def optimum_lines(rows, pairs):
+def optimum_lines(rows, pairs, floor=None):
     """Where each baseline's optimum is: at every budget it ran, its mean loss at each depth and its best depth
-    (short depths in brackets, never the best; 'edge': no measured depth on one side)."""
+    (short depths in brackets, never the best; 'edge': no measured depth on one side). floor: the 0-layer
+    model's bound (bigram_floor), a column of its own."""
     by = depth_cells(rows, pairs)
     design = {r["cell"]: design_of(r) for r in rows}
     lines = []
@@ -484,23 +520,27 @@ def optimum_lines(rows, pairs):
         depths = sorted(by[base])
         if len(depths) < 2:
             continue
+        zero = floor is not None and depths[0] == 1
         lines += ["", f"Where {base}'s compute-optimal depth is: its mean final loss at each depth and budget (in "
-                  f"brackets: short, under {MIN_STEPS} steps), and the best depth.", "",
-                  "| budget | " + " | ".join(f"{d} layers" for d in depths) + " | best depth |",
-                  "|" + "---|" * (len(depths) + 2)]
+                  f"brackets: short, under {MIN_STEPS} steps), and the best depth."
+                  + (" 0 layers: the lowest loss any 0-layer model can reach on these val tokens (their bigram "
+                     "conditional entropy, a bound at every budget, not a run)." if zero else ""), "",
+                  "| budget | " + ("0 layers | " if zero else "") + " | ".join(f"{d} layers" for d in depths)
+                  + " | best depth |", "|" + "---|" * (len(depths) + 2 + zero)]
         for b in sorted({b for g in by[base].values() for b in g if b is not None}):
             best = best_depth(by[base], b)
-            shown = []
+            shown = [f">= {floor:.4f}"] if zero else []
             for d in depths:
                 runs = at_seeds({b: by[base][d][b]}) if b in by[base][d] else {}
                 loss = f"{mean(y for _, y in runs[b]):.4f}" if runs else "-"
                 shown.append(f"({loss})" if runs and short(by[base][d], b) else loss)
-            where = "-" if best is None else f"{best[0]} (edge)" if on_edge(by[base], b, best[0]) else f"{best[0]}"
+            where = "-" if best is None else f"{best[0]} (edge)" if on_edge(by[base], b, best[0], floor) else \
+                f"{best[0]}"
             lines.append(f"| {b:.3g} | " + " | ".join(shown) + f" | {where} |")
     return lines
 
 
-def frontier_lines(rows, pairs):
+def frontier_lines(rows, pairs, floor=None):
     """The compute-optimal frontier of each design against its baseline's, over their depths, at each budget
     the design ran: both optima with the depths on their sides, the frontier multiplier where both are
     bracketed, the best model against the best model (a loss difference), and whether the design moves the
@@ -512,15 +552,15 @@ def frontier_lines(rows, pairs):
         for name in sorted({design[c] for c, b in pairs.items() if design[b] == base}):
             if len(by[name]) < 2 or len(by[base]) < 2:
                 continue
-            seeds = seeds_in(*by[name].values(), *by[base].values())
             for b in sorted({b for g in by[name].values() for b in g}):
-                mine, theirs = best_depth(by[name], b), best_depth(by[base], b)
+                seeds = shared_seeds(by[name], by[base], b)
+                mine, theirs = best_depth(by[name], b, seeds), best_depth(by[base], b, seeds)
                 if mine is None or theirs is None:
                     continue
                 try:
-                    frontier_at(by[base], by[name], b)
-                    front, why = jackknife_log(lambda s, b=b, n=name, k=base: _frontier_or_none(by[k], by[n], b, s),
-                                               seeds), ""
+                    point = frontier_at(by[base], by[name], b, seeds, floor)
+                    front, why = jackknife_log(lambda s, b=b, n=name, k=base: _frontier_or_none(by[k], by[n], b, s, floor),
+                                               seeds) or {"m": point, "mci": None}, ""
                 except Degenerate as err:
                     front, why = None, str(err)
                 gap = stats.jackknife(lambda s, b=b, n=name, k=base: best_gap(by[k], by[n], b, s), seeds)
@@ -529,24 +569,25 @@ def frontier_lines(rows, pairs):
                     at_theirs = {s: y for s, (_, y, _) in by[name][theirs[0]][b].items()}
                     at_mine = {s: y for s, (_, y, _) in by[name][mine[0]][b].items()}
                     moved = stats.paired(at_theirs, at_mine)
-                found.append((name, base, b, mine, theirs, front, why, gap, moved))
+                found.append((name, base, b, len(seeds), mine, theirs, front, why, gap, moved))
     if not found:
         return []
     gap_adj = stats.holm([g and g["p"] for *_, g, _ in found])
     move_adj = stats.holm([m and m["p"] for *_, m in found])
     lines = ["", "The compute-optimal frontier: at each budget, each design's best depth and the baseline's (the "
              "lowest mean loss among the depths with enough steps; 'edge': no measured depth on one side, so the "
-             "optimum may lie beyond the grid), the frontier multiplier (the compute at which the baseline's "
+             "optimum may lie beyond the grid" + ("; a best depth of 1 below the 0-layer bound is bracketed by it" if floor
+             is not None else "") + "), the frontier multiplier (the compute at which the baseline's "
              "best-of-depths curve reaches the design's best-of-depths loss, over the design's compute; printed only "
              "where both optima it rests on are bracketed), the best model against the best model (the design's "
              "best mean loss minus the baseline's, the best depths chosen again in every jackknife replicate), and "
              "whether the design moves the optimum (its loss at the baseline's best depth minus at its own, paired "
-             "t). Two families, each Holm-adjusted: the best-against-best differences and the moves.", "",
-             "| design | baseline | budget | its best depth | baseline's best depth | frontier multiplier | "
+             "t), each on the seeds that every cell it reads has (fewer than 3: no interval). Two families, each Holm-adjusted: the best-against-best differences and the moves.", "",
+             "| design | baseline | budget | seeds | its best depth | baseline's best depth | frontier multiplier | "
              "95% interval | best - best (95% interval) | p (Holm) | moves the optimum? | p (Holm) |",
-             "|" + "---|" * 11]
-    for (name, base, b, mine, theirs, front, why, gap, moved), ga, ma in zip(found, gap_adj, move_adj):
-        edge = lambda groups, d: f"{d} (edge)" if on_edge(groups, b, d) else f"{d}"  # noqa: E731
+             "|" + "---|" * 12]
+    for (name, base, b, n, mine, theirs, front, why, gap, moved), ga, ma in zip(found, gap_adj, move_adj):
+        edge = lambda groups, d: f"{d} (edge)" if on_edge(groups, b, d, floor) else f"{d}"  # noqa: E731
         shown = fjk(front) if front is not None else (f"none: {why}", "-")
         gap_shown = "-" if gap is None else f"{gap['value']:+.4f}" + (
             "" if gap["ci"] is None else f" ({gap['ci'][0]:+.4f}, {gap['ci'][1]:+.4f})")
@@ -559,15 +600,15 @@ def frontier_lines(rows, pairs):
             move = (f"yes: {moved['diff']:+.4f} at {theirs[0]} layers" if ma is not None and ma < stats.ALPHA else
                     f"not significant: {moved['diff']:+.4f} at {theirs[0]} layers")
             move_p = f"{stats.fmt_p(moved['p'])} ({stats.fmt_p(ma)})"
-        lines.append(f"| {name} | {base} | {'-' if b is None else f'{b:.3g}'} | {edge(by[name], mine[0])} | "
+        lines.append(f"| {name} | {base} | {'-' if b is None else f'{b:.3g}'} | {n} | {edge(by[name], mine[0])} | "
                      f"{edge(by[base], theirs[0])} | "
                      f"{shown[0]} | {shown[1]} | {gap_shown} | {gap_p} | {move} | {move_p} |")
     return lines
 
 
-def _frontier_or_none(base_by_depth, design_by_depth, budget, seeds):
+def _frontier_or_none(base_by_depth, design_by_depth, budget, seeds, floor=None):
     try:
-        return frontier_at(base_by_depth, design_by_depth, budget, seeds)
+        return frontier_at(base_by_depth, design_by_depth, budget, seeds, floor)
     except Degenerate:
         return None
 
@@ -758,8 +799,9 @@ def schedule_lines(rows):
             *[f"| {c} | " + " | ".join(cell(v.get(b)) for b in budgets) + " |" for c, v in got.items()]]
 
 
-def report(rows, pairs, step_times=""):
-    """flops.py multiplier's Markdown, and the per-cell results (compare) for the figure."""
+def report(rows, pairs, step_times="", floor=None):
+    """flops.py multiplier's Markdown, and the per-cell results (compare) for the figure. floor: the 0-layer
+    model's bound (bigram_floor), which brackets a best depth of 1 below it."""
     results, fits = compare(rows, pairs)
     ok = [c for c, r in results.items() if r["why"] is None]
     adj = dict(zip(ok, stats.holm([results[c]["ci"] and results[c]["ci"]["p"] for c in ok])))
@@ -783,8 +825,8 @@ def report(rows, pairs, step_times=""):
     lines += ["", "The fits (each baseline with the cells compared with it):", "", "| baseline | fit |", "|---|---|"]
     lines += [f"| {b} | {law} |" for b, law in fits.items()]
     lines += depth_lines(rows, results, pairs)
-    lines += optimum_lines(rows, pairs)
-    lines += frontier_lines(rows, pairs)
+    lines += optimum_lines(rows, pairs, floor)
+    lines += frontier_lines(rows, pairs, floor)
     if step_times:
         lines += throughput_lines(results, step_times)
     return "\n".join(lines) + "\n", results
@@ -848,7 +890,7 @@ def plot(rows, results, path):
     plt.close(fig)
 
 
-def plot_frontier(rows, pairs, path):
+def plot_frontier(rows, pairs, path, floor=None):
     """Loss against compute, one panel per design: a line per depth for the design (colour) and its baseline
     (grey), and each one's best-of-depths frontier (thick; an open marker where that optimum is on the grid's
     edge). Nothing is written when no design has two depths."""
@@ -878,12 +920,14 @@ def plot_frontier(rows, pairs, path):
             ax.plot([curve[b][2] for b in xs], [curve[b][1] for b in xs], "-", color="k" if who == base else "C3",
                     lw=2.2, label=f"{who} frontier")
             for b in xs:
-                edge = on_edge(by[who], b, curve[b][0])
+                edge = on_edge(by[who], b, curve[b][0], floor)
                 ax.plot(curve[b][2], curve[b][1], "o", mfc="none" if edge else ("k" if who == base else "C3"),
                         mec="k" if who == base else "C3", ms=6)
                 ax.annotate(str(curve[b][0]), (curve[b][2], curve[b][1]), fontsize=7, xytext=(3, 3 if who == name
                                                                                                 else -9),
                             textcoords="offset points")
+        if floor is not None:
+            ax.axhline(floor, color="0.3", ls=":", lw=1, label="0 layers: the lowest loss reachable")
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # 2x-apart budgets: no crowded labels
         ax.set_title(f"{name} against {base} (frontier: best depth, labelled; open: on the grid's edge)", fontsize=8)

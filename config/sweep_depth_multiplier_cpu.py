@@ -26,10 +26,16 @@
 # A cell under 300 optimizer steps (8 layers at 1.25e12, 16 at 1.25e12 and 2.5e12) is short: flops.py multiplier
 # prints it but leaves it out of every headline figure (config/sweep_depth_halfbatch_cpu.py checks one at half batch).
 #
-# 34 design cells x 2 budgets + 6 baseline cells x 5 budgets, x 5 seeds: 490 runs, about 12.7 hours on 2 cores
-# (python flops.py plan config/sweep_depth_multiplier_cpu.py --like=docs/sweep_depth_multiplier_cpu.csv: the
-# committed runs' seconds per FLOP; the 235 runs at 4, 8 and 16 layers took 6), two at a time, smallest budget first, seed by seed (resumable: run it
-# again; finished runs are skipped; --cells="['prenorm_L1', ...]" runs some cells first):
+# Up to 1e13 prenorm's best depth is 1 layer; at 2e13 it is 2, with 1 and 3 beside it: the one budget where the
+# optimum is inside the grid. So nag and mudd also run there, at 1 to 4 layers: does a design move that optimum?
+# (A 1-layer best is bracketed too, from below, by the lowest loss any 0-layer model can reach: flops.py multiplier
+# --val_bin=data/shakespeare_char/val.bin.)
+#
+# 34 design cells x 2 budgets + 8 of them at 2e13 + 6 baseline cells x 5 budgets, x 5 seeds: 530 runs, about 15
+# hours on 2 cores (python flops.py plan config/sweep_depth_multiplier_cpu.py --like=docs/sweep_depth_multiplier_cpu.csv:
+# the committed runs' seconds per FLOP; the 235 runs at 4, 8 and 16 layers took 6), two at a time, smallest budget
+# first, seed by seed (resumable: run it again; finished runs are skipped; --cells="['prenorm_L1', ...]" runs some
+# cells first, and --cell_budgets="{'nag_L2': [2e13]}" some budgets of them):
 # OMP_NUM_THREADS=1 python flops.py sweep config/sweep_depth_multiplier_cpu.py
 # python flops.py multiplier out/sweep_depth_multiplier_cpu/results.csv
 
@@ -50,5 +56,6 @@ _depths = (1, 2, 3, 4, 8, 16)  # the baseline's
 runs = [(f"prenorm_L{L}", {"residual": "prenorm", "n_layer": L}) for L in _depths]  # the baseline at each depth
 runs += [(f"{name}_L{L}", {**keys, "n_layer": L}) for name, (keys, depths_of) in _designs.items() for L in depths_of]
 cell_budgets = {f"prenorm_L{L}": [1.25e12, 2.5e12, 5e12, 1e13, 2e13] for L in _depths}
+cell_budgets |= {f"{name}_L{L}": [2.5e12, 1e13, 2e13] for name in ("nag", "mudd") for L in (1, 2, 3, 4)}  # the frontier
 seeds = [1, 2, 3, 4, 5]
 jobs = 2

@@ -1,10 +1,11 @@
 # The learning rate at 8 layers, for each optimizer and design (docs/experiments.md, "Muon against AdamW"): Muon's
 # LR (0.02) and AdamW's (1e-3, the recipe's) were chosen on prenorm at 4 layers. Here both are checked where the
 # Muon comparison is read, at 8 layers and 5e12 FLOPs: 3 LRs each (the chosen one and 2.5x either side for Muon, 2x
-# for AdamW), for prenorm and the 5 designs the Muon comparison runs, 1 seed. The seed is 11, no seed of an
-# evaluated cell (those run seeds 1 to 5): a run that chose an LR is never also a run its choice is judged on.
+# for AdamW), for prenorm, the 5 designs the Muon comparison runs and attnres (the depth grid's sixth), 1 seed. The
+# seed is 11, no seed of an evaluated cell (those run seeds 1 to 5): a run that chose an LR is never also a run its
+# choice is judged on.
 #
-# 6 designs x 6 (optimizer, LR) = 36 runs, about 0.7 hours on 2 cores, two at a time (flops.py plan ... --like=
+# 7 designs x 6 (optimizer, LR) = 42 runs, about 0.8 hours on 2 cores, two at a time (flops.py plan ... --like=
 # docs/sweep_depth_multiplier_cpu.csv; resumable):
 # OMP_NUM_THREADS=1 python flops.py sweep config/sweep_lr_check_cpu.py
 # python flops.py results docs/sweep_lr_check_cpu.csv   # every (design, optimizer, LR) cell's final val loss
@@ -21,6 +22,7 @@ _designs = [  # (private: a leading _) the Muon comparison's designs (config/swe
     ("value_residual", {"residual": "prenorm", "value_residual": "half"}),  # ResFormer
     ("mudd", {"residual": "mudd"}),  # MUDDFormer
     ("mhc", {"residual": "mhc"}),
+    ("attnres", {"residual": "attnres"}),  # in the depth grid, not the Muon comparison
 ]
 runs = [(f"{name}_L8_{opt}_lr{lr:g}", {**keys, "n_layer": 8, "optimizer": opt, key: lr})
         for name, keys in _designs

@@ -6,12 +6,15 @@ past unchecked."""
 import contextlib
 import functools
 import io
+import os
 import re
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import SHAKESPEARE_TEXT
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -37,10 +40,23 @@ def results_rows(readme):
 
 
 @functools.lru_cache(maxsize=None)
+def shakespeare_split(name):
+    """data/shakespeare_char/<name> (val.bin), prepared from the exact text (conftest's) into a temporary folder:
+    a fresh checkout has no .bin files until a run prepares them."""
+    from data.shakespeare_char.prepare import prepare
+    out = Path(tempfile.mkdtemp(prefix="claims_data_")) / "shakespeare_char"
+    prepare(out_dir=str(out), input_path=str(SHAKESPEARE_TEXT))
+    return str(out / name)
+
+
+@functools.lru_cache(maxsize=None)
 def printed(command):
-    """What `python flops.py ...` prints, run in this process on the committed files."""
+    """What `python flops.py ...` prints, run in this process on the committed files (and the Shakespeare val
+    split, prepared, where a command names it)."""
     argv = shlex.split(command)[2:]
     argv = [str(REPO / a) if a.startswith("docs/") else a for a in argv]
+    argv = [f"--val_bin={shakespeare_split(os.path.basename(a))}" if a.startswith("--val_bin=data/shakespeare_char/")
+            else a for a in argv]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         flops.main(argv + (["--out=" + str(REPO / "out" / "claims_check.png")] if argv[0] == "multiplier" else []))
@@ -91,7 +107,70 @@ def test_a_changed_figure_is_caught():
 def test_the_depth_tables_figures_are_what_the_multiplier_command_prints():
     """The README's "Compute multipliers by depth" section: every decimal figure is printed by its command."""
     section = README.split("\n### Compute multipliers by depth\n", 1)[1].split("```bash", 1)[0]
-    command = "python flops.py multiplier docs/sweep_depth_multiplier_cpu.csv --step_times=docs/step_times_cpu.csv"
+    command = ("python flops.py multiplier docs/sweep_depth_multiplier_cpu.csv --step_times=docs/step_times_cpu_1.csv,"
+               "docs/step_times_cpu_2.csv,docs/step_times_cpu_3.csv --val_bin=data/shakespeare_char/val.bin")
     assert command in README.split("\n### Compute multipliers by depth\n", 1)[1]
     missing = stale(section, [command])
     assert not missing, f"the depth section quotes {missing}, not printed by {command}"
+
+
+def test_the_zero_layer_bound_quoted_is_the_eval_tokens_conditional_entropy():
+    """docs/flops.md quotes the 0-layer bound on the Shakespeare eval tokens (the 111,360 every depth-grid run
+    scored): it is multiplier.bigram_floor's, to the digits quoted."""
+    import multiplier
+    quoted = re.search(r"on the Shakespeare eval tokens (\d\.\d+)\s+nats", (REPO / "docs" / "flops.md").read_text())
+    assert quoted, "docs/flops.md no longer quotes the 0-layer bound"
+    bound = multiplier.bigram_floor(shakespeare_split("val.bin"), 111_360)
+    assert f"{bound:.4f}" == quoted[1]
+
+
+EXPERIMENTS = (REPO / "docs" / "experiments.md").read_text()
+MEASURED_CLAIMS = (  # claims rows quoting runs' diagnostics or timings (plot.py, bench.py), not a CSV's tables
+    "mHC: beats HC",
+    "NAG: its routing is interpretable",
+    "MoD saves compute when sampling",
+)
+
+
+def claims_rows():
+    """(claim, here, [the commands in its evidence cell, and those of the README Results rows that link the same
+    sections]) of each row of docs/experiments.md's claims table ("What the results say")."""
+    section = EXPERIMENTS.split("\n## What the results say\n", 1)[1].split("\n## ", 1)[0]
+    readme = [(r, d, re.findall(r"`(python flops\.py [^`]+)`", c)) for line in
+              README.split("\n## Results\n", 1)[1].split("\n### ", 1)[0].splitlines() if line.startswith("| ")
+              for q, r, c, d in [([x.strip() for x in line.strip().strip("|").split(" | ")] + [""] * 4)[:4]]]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if line.startswith("| ") and len(cells) == 3 and cells[0] != "claim (paper)" and not cells[0].startswith("---"):
+            anchors = re.findall(r"\(#([\w-]+)\)", cells[2])
+            commands = re.findall(r"`(python flops\.py [^`]+)`", cells[2])
+            commands += [c for _, d, cs in readme if any(f"experiments.md#{a})" in d for a in anchors) for c in cs]
+            rows.append((cells[0], cells[1], commands))
+    return rows
+
+
+def test_every_claims_row_is_checked_or_named_as_measured():
+    rows = claims_rows()
+    assert len(rows) >= 10
+    for prefix in MEASURED_CLAIMS:
+        assert any(c.startswith(prefix) for c, _, _ in rows), f"MEASURED_CLAIMS names a row that is gone: {prefix}"
+    for claim, _, commands in rows:
+        assert commands or claim.startswith(MEASURED_CLAIMS), \
+            f"the claims row {claim[:50]!r} links no section that a README Results row's command prints"
+
+
+@pytest.mark.parametrize("claim", [c[:40] for c, _, _ in claims_rows() if not c.startswith(MEASURED_CLAIMS)])
+def test_every_figure_of_a_claims_row_is_what_its_commands_print(claim):
+    """docs/experiments.md's claims table: each row's decimal figures are printed by the commands of the README
+    Results rows that link the same sections (the same evidence)."""
+    (here, commands), = [(h, c) for q, h, c in claims_rows() if q.startswith(claim)]
+    missing = stale(here, commands)
+    assert not missing, f"claims row {claim!r}: {missing} not printed by {commands}"
+
+
+def test_a_changed_claims_figure_is_caught():
+    """One figure of the claims table changed (skip-middle's 1.8326 -> 1.8336): that row's check fails on it alone."""
+    (here, commands), = [(h, c) for q, h, c in claims_rows() if q.startswith("skip-middle")]
+    assert "1.8326" in here and not stale(here, commands)
+    assert stale(here.replace("1.8326", "1.8336"), commands) == ["1.8336"]

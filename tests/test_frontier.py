@@ -32,22 +32,24 @@ def bowl(best, k=0.05):
     return lambda d: k * (math.log2(d) - math.log2(best)) ** 2
 
 
-def sweep_csv(path, cells, seeds=(1, 2, 3, 4, 5), seed_sd=0.0, noise=0.0, seed=0, iters=1000):
+def sweep_csv(path, cells, seeds=(1, 2, 3, 4, 5), seed_sd=0.0, noise=0.0, seed=0, iters=1000, eval_tokens=""):
     """A depth grid's results.csv: cells {name: (design, depth, loss(C), budgets)}; every run's loss has its
-    seed's effect (shared by every cell: sd seed_sd) and its own noise (sd noise)."""
+    seed's effect (shared by every cell: sd seed_sd) and its own noise (sd noise). seeds: a tuple, or a
+    function of the cell and budget giving its seeds."""
     rng = random.Random(seed)
-    shared = {s: rng.gauss(0, seed_sd) for s in seeds}
+    shared = {s: rng.gauss(0, seed_sd) for s in range(1, 11)}
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, flops.FIELDS)
         w.writeheader()
         for name, (design, depth, loss, budgets) in cells.items():
             for b in budgets:
-                for s in seeds:
+                for s in (seeds(name, b) if callable(seeds) else seeds):
                     w.writerow({k: "" for k in flops.FIELDS} | {
                         "run": f"{name}_s{s}", "cell": name, "seed": s, "residual": design, "n_layer": depth,
                         "mod": "", "mod_rate": 0.0, "args": "", "status": "done", "iters": iters(name, b)
                         if callable(iters) else iters, "tokens": 1000, "flops": b, "budget": b, "device": "cpu",
-                        "val_loss": loss(b) + shared[s] + rng.gauss(0, noise), "seconds": 1.0})
+                        "val_loss": loss(b) + shared[s] + rng.gauss(0, noise), "seconds": 1.0,
+                        "eval_tokens": eval_tokens})
     return path
 
 
@@ -73,9 +75,10 @@ def table(text, title, width):
     return out[1:]  # the header
 
 
-def frontier_rows(text):
-    """{(design, budget): row} of the frontier table (11 cells)."""
-    return {(r[0], float(r[2])): r for r in table(text, "The compute-optimal frontier", 11)}
+def frontier_rows(text, seeds=False):
+    """{(design, budget): row} of the frontier table, without its seeds column (with it: seeds=True)."""
+    rows = table(text, "The compute-optimal frontier", 12)
+    return {(r[0], float(r[2])): r if seeds else r[:3] + r[4:] for r in rows}
 
 
 def test_an_interior_optimum_is_found_and_gives_the_known_frontier_multiplier(tmp_path):
@@ -111,6 +114,67 @@ def test_an_optimum_on_the_grids_edge_is_named_and_gives_no_frontier_multiplier(
         else:
             assert r[3] == "8 (edge)" and r[5] == "none: the design's optimum (8 layers) is on the grid's edge"
         assert not any(ch.isdigit() for ch in r[6]) and r[7] != "-"
+
+
+def val_bin(path, tokens):
+    """A val split (uint16 ids, as data/*/prepare.py writes them)."""
+    np.asarray(tokens, dtype=np.uint16).tofile(path)
+    return str(path)
+
+
+def test_the_zero_layer_floor_is_the_conditional_entropy_of_the_scored_pairs(tmp_path):
+    """On a hand-worked split (a a b a b b a: next given a is a 1/3 or b 2/3, given b is a 2/3 or b 1/3 ... over
+    its first 6 pairs), the floor is their conditional entropy; the count-fitted bigram scores exactly it, and any
+    other next-token-from-current predictor scores above it. Only the first `tokens` pairs count."""
+    path = val_bin(tmp_path / "val.bin", [0, 0, 1, 0, 1, 1, 0, 5, 5])
+    h = -(1 * math.log(1 / 3) + 2 * math.log(2 / 3)) / 3  # 3 pairs from a, 3 from b, the same split of 1 and 2
+    assert mult.bigram_floor(path, 6) == pytest.approx(h, rel=1e-12)
+    pairs = [(0, 0), (0, 1), (1, 0), (0, 1), (1, 1), (1, 0)]
+    for q in ({0: {0: 1 / 3, 1: 2 / 3}, 1: {0: 2 / 3, 1: 1 / 3}}, {0: {0: 0.5, 1: 0.5}, 1: {0: 0.5, 1: 0.5}},
+              {0: {0: 0.3, 1: 0.7}, 1: {0: 0.6, 1: 0.4}}):
+        ce = -sum(math.log(q[a][b]) for a, b in pairs) / 6
+        assert ce >= mult.bigram_floor(path, 6) - 1e-12
+    assert mult.bigram_floor(path, 8) > h  # the pairs 0 -> 5 and 5 -> 5 now count
+    with pytest.raises(ValueError, match="pass the val split"):
+        mult.bigram_floor(path, 9)
+
+
+@pytest.mark.parametrize("floor", ["above", "below"])
+def test_a_one_layer_optimum_under_the_zero_layer_floor_is_bracketed(tmp_path, floor):
+    """prenorm's and nag's optima at 1 layer (the shallowest run): with --val_bin whose 0-layer floor is above
+    every 1-layer loss (uniform random tokens: about ln 128, above every loss of the grid, at most 4.1), both are bracketed, the optimum table has the 0-layer
+    column and the frontier multiplier is printed (1.5x); with a floor below them (a repeating sequence: 0), they
+    stay on the edge, with no figure."""
+    cells = grid(design_best=1, base_best=1)
+    csv_path = sweep_csv(tmp_path / "r.csv", cells, noise=0.001, eval_tokens=200_000)
+    tokens = np.random.default_rng(0).integers(0, 128, 200_001) if floor == "above" else np.arange(200_001) % 7
+    text = flops.multiplier([str(csv_path), f"--out={tmp_path / 'm.png'}",
+                             f"--val_bin={val_bin(tmp_path / 'val.bin', tokens)}"])
+    bound = mult.bigram_floor(str(tmp_path / "val.bin"), 200_000)
+    assert (bound > 4.5) if floor == "above" else bound == pytest.approx(0, abs=1e-12)
+    optimum = table(text, "Where prenorm's compute-optimal depth is", 8)
+    assert all(r[1] == f">= {bound:.4f}" for r in optimum)
+    for b in BUDGETS[1:4]:
+        r = frontier_rows(text)[("nag", b)]
+        if floor == "above":
+            assert r[3] == "1" and r[4] == "1" and float(r[5].rstrip("x")) == pytest.approx(1.5, rel=0.02)
+        else:
+            assert r[3] == "1 (edge)" and r[4] == "1 (edge)" and r[5].startswith("none: ")
+
+
+def test_the_frontier_reads_the_seeds_every_cell_has(tmp_path):
+    """nag has seeds 1-5 at 2e12 and 8e12 but seed 1 alone at 4e12: that row says 1 seed and gives its figure
+    without an interval; the others say 5 and give one. Without --val_bin a CSV of no final eval is refused."""
+    cells = grid(design_best=3, base_best=2)
+    seeds = lambda name, b: (1,) if name.startswith("nag") and b == BUDGETS[2] else (1, 2, 3, 4, 5)  # noqa: E731
+    csv_path = sweep_csv(tmp_path / "r.csv", cells, seeds=seeds, seed_sd=0.02, noise=0.002)
+    rows = frontier_rows(flops.multiplier([str(csv_path), f"--out={tmp_path / 'm.png'}"]), seeds=True)
+    assert [rows[("nag", b)][3] for b in BUDGETS[1:4]] == ["5", "1", "5"]
+    one = rows[("nag", BUDGETS[2])]
+    assert float(one[6].rstrip("x")) == pytest.approx(1.5, rel=0.03) and one[7] == "-" and one[8] == "-"
+    assert " - " in rows[("nag", BUDGETS[1])][7]
+    with pytest.raises(flops.ConfigError, match="one number of val tokens"):
+        flops.multiplier([str(csv_path), f"--out={tmp_path / 'm.png'}", f"--val_bin={tmp_path / 'r.csv'}"])
 
 
 def test_the_baselines_edge_matters_only_where_the_reading_falls(tmp_path):

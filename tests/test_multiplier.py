@@ -307,12 +307,13 @@ def depth_grid(grid):
 
 
 def frontier_of(text, design="nag"):
-    """{budget: the row's 11 cells} of a design's rows in the compute-optimal frontier table."""
+    """{budget: the row's cells, its seeds column left out} of a design's rows in the compute-optimal frontier
+    table."""
     out = {}
     for line in text.split("compute-optimal frontier")[1].splitlines():
         parts = [p.strip() for p in line.strip("|").split("|")]
-        if len(parts) == 11 and parts[0] == design:
-            out[float(parts[2])] = parts
+        if len(parts) == 12 and parts[0] == design:
+            out[float(parts[2])] = parts[:3] + parts[4:]
     return out
 
 

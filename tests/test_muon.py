@@ -537,3 +537,41 @@ def test_each_modes_named_parameters_go_where_docs_training_md_says(residual, op
     named = dict(model.named_parameters())
     assert not [n for n in adamw if id(named[n]) in under_muon], "under Muon, should be AdamW's"
     assert all(id(named[n]) in under_muon for n in muon), "under AdamW, should be Muon's"
+
+
+def lr_rows(design_args, losses_by_lr, optimizer):
+    """An LR check's rows: one run (seed 11) per LR of one design under one optimizer, 8 layers, 5e12."""
+    flag = "--muon_lr=" if optimizer == "muon" else "--learning_rate="
+    return [dict(run=f"lr{lr}", cell="c", seed=11, residual="prenorm", n_layer=8, mod=None, mod_rate=0.0,
+                 args=" ".join(filter(None, [design_args, f"--optimizer='{optimizer}'", f"{flag}{lr}"])),
+                 status="done", val_loss=loss, flops=5e12 * 0.9985, budget=5e12)
+            for lr, loss in losses_by_lr.items()]
+
+
+def test_the_lr_check_says_whether_each_evaluated_cell_ran_at_its_best_lr():
+    """The evaluated cells (3 seeds, sd 0.01 each) ran AdamW at 1e-3 and Muon at 0.02. In the check: prenorm's
+    AdamW best is 1e-3 ('the best'); its Muon best is 0.05 (the highest tried: 'edge'), 0.01 below 0.02, inside the
+    band t(0.975, 2) x sqrt(2) x 0.01 = 0.0609 ('within noise'); value_residual's AdamW best is 2e-3, 0.1 below
+    1e-3 ('off its best LR'). A design the comparison never ran has no band."""
+    import flops
+    from scipy import stats as scipy_stats
+    rows = result_rows("adamw", "", [2.00, 2.01, 1.99], n_layer=8) + result_rows("muon", "", [1.80, 1.81, 1.79],
+                                                                                 n_layer=8)
+    rows += result_rows("adamw", "--value_residual='half'", [1.90, 1.91, 1.89], n_layer=8)
+    check = lr_rows("", {0.0005: 2.05, 0.001: 2.0, 0.002: 2.02}, "adamw")
+    check += lr_rows("", {0.008: 1.9, 0.02: 1.80, 0.05: 1.79}, "muon")
+    check += lr_rows("--value_residual='half'", {0.0005: 2.0, 0.001: 1.9, 0.002: 1.8}, "adamw")
+    check += lr_rows("--norm_scaling=True", {0.0005: 2.0, 0.001: 1.97, 0.002: 1.95}, "adamw")
+    text = flops.lr_check_table(rows, check, {"adamw": 0.001, "muon": 0.02})
+    line = {tuple(r.split(" | ")[:2]): r for r in text.splitlines() if r.startswith("| prenorm")}
+    band = scipy_stats.t.ppf(0.975, 2) * math.sqrt(2) * 0.01
+    assert line[("| prenorm", "adamw")].endswith(f"| 0.001 | 0.001 | +0.0000 | {band:.4f} (3) | the best |")
+    assert line[("| prenorm", "muon")].endswith(f"| 0.05 (edge) | 0.02 | +0.0100 | {band:.4f} (3) | within noise |")
+    assert line[("| prenorm --value_residual='half'", "adamw")].endswith(
+        f"| 0.002 (edge) | 0.001 | +0.1000 | {band:.4f} (3) | off its best LR |")
+    assert line[("| prenorm --norm_scaling=True", "adamw")].endswith("| +0.0200 | - | no evaluated cell: no band |")
+    assert "0.0005: 2.0500, 0.001: 2.0000, 0.002: 2.0200" in line[("| prenorm", "adamw")]
+    assert text.rstrip().endswith("Over the check: 1 the best, 1 no evaluated cell: no band, 1 off its best LR, "
+                                  "1 within noise.")
+    with pytest.raises(flops.ConfigError, match="no finished run"):
+        flops.lr_check_table(rows, [], {"adamw": 0.001, "muon": 0.02})
