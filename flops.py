@@ -1268,8 +1268,8 @@ def lr_check_table(rows, check_rows, chosen):
         best = min(by_lr, key=by_lr.get)
         edge = " (edge)" if best in (min(by_lr), max(by_lr)) and len(by_lr) > 2 else ""
         c = chosen[opt]
-        evaluated = [v for (o, d, l, b), v in losses.items() if (o, d, l, b) == (opt, design, L, budget)]
-        sd, n = (stats.mean_std(list(evaluated[0].values()))[1], len(evaluated[0])) if evaluated else (None, 0)
+        evaluated = list(losses.get((opt, design, L, budget), {}).values())  # the compared cell's seeds
+        sd, n = (stats.mean_std(evaluated)[1], len(evaluated)) if evaluated else (None, 0)
         band = None if not sd else stats.t_quantile(n - 1) * math.sqrt(2) * sd
         if c not in by_lr:
             gap, verdict = None, f"the chosen LR {c:g} is not in the check"

@@ -575,3 +575,32 @@ def test_the_lr_check_says_whether_each_evaluated_cell_ran_at_its_best_lr():
                                   "1 within noise.")
     with pytest.raises(flops.ConfigError, match="no finished run"):
         flops.lr_check_table(rows, [], {"adamw": 0.001, "muon": 0.02})
+
+
+def test_lr_check_and_chosen_lr_reach_the_table_from_the_command_line(tmp_path):
+    """flops.py optimizers --lr_check=CSV --chosen_lr=adamw=0.002,muon=0.02: the table reads the check's CSV and
+    takes the chosen AdamW LR from the option (0.002, the best here: 'the best'; with the default 0.001 it is
+    0.1 off); a malformed --chosen_lr is a one-line error naming the form."""
+    import csv
+    import flops
+
+    def write(path, rows):
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, flops.FIELDS)
+            w.writeheader()
+            for r in rows:
+                w.writerow({k: "" for k in flops.FIELDS} | {k: ("" if v is None else v) for k, v in r.items()})
+        return str(path)
+    evaluated = result_rows("adamw", "", [2.00, 2.01, 1.99], n_layer=8) + result_rows("muon", "", [1.80, 1.81, 1.79],
+                                                                                     n_layer=8)
+    for i, r in enumerate(evaluated):
+        r.update(run=f"{r['run']}_{i}", cell=f"c{i // 3}")
+    base = write(tmp_path / "eval.csv", evaluated)
+    check = write(tmp_path / "check.csv", lr_rows("", {0.001: 2.0, 0.002: 1.9}, "adamw"))
+    adamw_line = lambda text: next(r for r in text.splitlines() if r.startswith("| prenorm | adamw |"))  # noqa: E731
+    assert adamw_line(flops.optimizers([base, f"--lr_check={check}", "--chosen_lr=adamw=0.002,muon=0.02"])).endswith(
+        "| 0.002 | 0.002 | +0.0000 | " + adamw_line(flops.optimizers([base, f"--lr_check={check}"])).split(" | ")[-2]
+        + " | the best |")
+    assert "| 0.002 | 0.001 | +0.1000 |" in adamw_line(flops.optimizers([base, f"--lr_check={check}"]))
+    with pytest.raises(flops.ConfigError, match="optimizer=LR pairs"):
+        flops.optimizers([base, f"--lr_check={check}", "--chosen_lr=adamw:0.002"])
