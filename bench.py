@@ -1270,6 +1270,7 @@ def main(argv=None):
         return data
     device, dtype, _ = pick_device(cfg["device"], cfg["dtype"])  # the same rule as train.py's
     dtype = getattr(torch, dtype)
+    run_config.keep_freed_memory(device)  # a CPU's steps timed with the allocator train.py runs them with
     reps = cfg["reps"] or (50 if device.type == "cuda" else 20)
     print(f"torch {torch.__version__}, triton {getattr(kernels.triton, '__version__', 'not installed')}, "
           f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else f'CPU, {torch.get_num_threads()} threads'}")

@@ -41,8 +41,9 @@ from guards import (Interrupted, RunKeeper, StopSignals, TrainingStopped, ZeroGr
                     resumed_config, rng_state, set_aside_previous_run, write_run_record)
 from model import GPT
 from plan import RunPlan
-from run_config import (DEFAULTS, EVAL_SEED, HELP_FROM, check_same_dataset, dataset_vocab, find_data, format_duration, get_batch,
-                        load_checkpoint, model_config, muon_settings, pick_device, pick_threads, save_checkpoint)
+from run_config import (DEFAULTS, EVAL_SEED, HELP_FROM, check_same_dataset, dataset_vocab, find_data, format_duration,
+                        get_batch, keep_freed_memory, load_checkpoint, model_config, muon_settings, pick_device,
+                        pick_threads, save_checkpoint, ThreadFollower)
 
 POSITIVE_KEYS = ("batch_size", "gradient_accumulation_steps", "eval_interval", "log_interval", "eval_iters")
 WANDB_NAMES = {"train_loss": "train/loss", "val_loss": "val/loss"}  # log.jsonl's names that wandb gets as nanoGPT's
@@ -65,7 +66,7 @@ class Trainer:
     def __init__(self, cfg, argv):
         self.cfg, self.argv = cfg, argv
         check_run_config(cfg)
-        self.ddp, self.rank, self.world, self.device, self.autocast, self.threads = start_processes(cfg)
+        self.ddp, self.rank, self.world, self.device, self.autocast, self.threads, self.follower = start_processes(cfg)
         self.master = self.rank == 0
         ckpt = self.find_inputs()
         self.plan_run()
@@ -431,6 +432,7 @@ class Trainer:
                 print(f"first step {clock.t_last - t_step:.1f}s (compilation): kept out of ms/iter, tok/s and the ETA")
         else:
             clock.stepped()
+        self.follower.check(say=self.master)  # a CPU's threads follow the free cores (run_config.ThreadFollower)
         # the progress line at log iterations; and, until a line has shown the pace, EARLY_STEPS steps into
         # the process or at its last iteration, so that a run shorter than log_interval shows it too
         early = not clock.pace_shown and clock.log_iters and (self.iter_num - clock.start_iter >= EARLY_STEPS
@@ -602,10 +604,11 @@ def train_step(model, raw_model, optimizer, scaler, batches, stats, accum, autoc
         stats.micro_step(raw_model.last_executed, raw_model.last_tokens)
     scaler.unscale_(optimizer)  # a no-op without fp16; the norm below must be of the true gradients
     params = [p for p in model.parameters() if p.grad is not None]
+    # foreach: one op over all the gradients, on a CPU too (torch picks it by itself on a GPU only); the same sums
     if grad_clip > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip, foreach=True)
     else:
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
     found_inf = (~torch.isfinite(grad_norm)).float()
     optimizer.found_inf = found_inf  # read by fused AdamW's step (and optim.py's Muon)
     optimizer.step()
@@ -654,7 +657,8 @@ def set_lr(optimizer, lr):
 
 def start_processes(cfg):
     """DDP from torchrun's environment, the device and precision, a CPU's threads: (ddp, rank, world, device,
-    autocast, what the start-up line says of the threads); cfg gets the device and dtype picked."""
+    autocast, what the start-up line says of the threads, their ThreadFollower); cfg gets the device and
+    dtype picked. A CPU run's allocator keeps the memory its steps free (keep_freed_memory)."""
     ddp = int(os.environ.get("RANK", -1)) != -1
     rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
     device, cfg["dtype"], autocast = pick_device(cfg["device"], cfg["dtype"])
@@ -671,7 +675,8 @@ def start_processes(cfg):
     cfg["device"] = str(device)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
-    return ddp, rank, world, device, autocast, threads
+    keep_freed_memory(device)
+    return ddp, rank, world, device, autocast, threads, ThreadFollower(cfg["threads"], device)
 
 
 def print_start(model, optimizer, cfg, world, accum, tokens_per_iter, threads=""):

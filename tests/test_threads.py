@@ -78,5 +78,61 @@ def test_train_py_takes_the_threads_key(threads, monkeypatch):
     import train
     monkeypatch.setattr(run_config, "free_cores", lambda: pytest.fail("a pinned count reads no load"))
     cfg = dict(run_config.DEFAULTS, device="cpu", threads=1)
-    *_, line = train.start_processes(cfg)
-    assert torch.get_num_threads() == 1 and line == "1 thread (--threads)"
+    *_, line, follower = train.start_processes(cfg)
+    assert torch.get_num_threads() == 1 and line == "1 thread (--threads)" and follower.mark is None  # pinned: not followed
+
+
+class FakeMachine:
+    """A 2-core machine's clock, this process's CPU time and /proc/stat's ticks, moved on by hand."""
+
+    def __init__(self, monkeypatch):
+        self.now, self.cpu, self.idle, self.total = 100.0, 10.0, 0, 0
+        monkeypatch.setattr(run_config, "own_cores", lambda: [0, 1])
+        monkeypatch.setattr(run_config, "core_ticks", lambda cores: (self.idle, self.total))
+        monkeypatch.setattr(run_config.time, "monotonic", lambda: self.now)
+        monkeypatch.setattr(run_config.time, "process_time", lambda: self.cpu)
+
+    def run(self, seconds, ours, others):
+        """seconds pass with this process on `ours` cores and other work on `others`; 100 ticks a second a core."""
+        self.now, self.cpu = self.now + seconds, self.cpu + ours * seconds
+        self.total += 200 * seconds
+        self.idle += round(100 * seconds * max(0.0, 2 - min(2.0, ours + others)))
+
+
+def test_the_threads_follow_load_that_comes_after_the_start(threads, monkeypatch):
+    """Other work that starts during the run takes threads away at the next check (every CHECK_S seconds), and
+    gives them back when it ends; this process's own CPU time (its spinning threads too) is not other work."""
+    machine = FakeMachine(monkeypatch)
+    follower = run_config.ThreadFollower(0, CPU)
+    machine.run(6, ours=2.0, others=0.0)  # alone: both cores are ours
+    assert follower.check() is None and torch.get_num_threads() == 2
+    machine.run(1, ours=1.0, others=1.0)
+    assert follower.check() is None  # before CHECK_S: not read
+    machine.run(5, ours=1.0, others=1.0)  # a process spinning on a core since the last check
+    assert follower.check() == "threads: 2 -> 1, 1.0 of 2 cores free over the last 6s (--threads=N pins the count)"
+    assert torch.get_num_threads() == 1
+    machine.run(6, ours=1.0, others=0.3)  # 1.7 free: rounded to 2
+    assert follower.check() == "threads: 1 -> 2, 1.7 of 2 cores free over the last 6s (--threads=N pins the count)"
+    machine.run(6, ours=1.4, others=0.6)  # 1.4 free (the busy time less ours): 1
+    assert follower.check().startswith("threads: 2 -> 1, 1.4 of 2") and torch.get_num_threads() == 1
+    machine.run(6, ours=1.0, others=5.0)  # more than the cores: at least one thread
+    assert follower.check() is None and torch.get_num_threads() == 1
+
+
+def test_a_pinned_count_does_not_follow(threads, monkeypatch):
+    """--threads, OMP_NUM_THREADS, a GPU run, no /proc/stat: the count never changes, whatever the load."""
+    machine = FakeMachine(monkeypatch)
+    followers = [run_config.ThreadFollower(2, CPU), run_config.ThreadFollower(0, torch.device("cuda"))]
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    followers.append(run_config.ThreadFollower(0, CPU))
+    monkeypatch.delenv("OMP_NUM_THREADS")
+
+    def unreadable(cores):
+        raise OSError("no /proc/stat")
+    with monkeypatch.context() as m:
+        m.setattr(run_config, "core_ticks", unreadable)
+        followers.append(run_config.ThreadFollower(0, CPU))
+    control = run_config.ThreadFollower(0, CPU)  # followed
+    machine.run(10, ours=1.0, others=1.0)  # one core taken
+    assert [f.check() for f in followers] == [None] * 4 and torch.get_num_threads() == 2
+    assert control.check().startswith("threads: 2 -> 1") and torch.get_num_threads() == 1
