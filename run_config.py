@@ -312,7 +312,7 @@ def keep_freed_memory(device):
     """A CPU run: glibc's malloc keeps the memory a step frees for the next step, instead of handing each
     large buffer back to the system (trimmed, or unmapped) and faulting fresh zeroed pages in for the next
     one. A CPU step frees and allocates the same activation-sized tensors every step; on the quickstart each
-    step took about 1,000 page faults (a gelu backward, 0.55 ms, took 1.3 ms with its output's). Memory the
+    step took 400 to 1,300 page faults (a gelu backward, 0.55 ms, took 1.3 ms with its output's). Memory the
     run freed stays with the process, up to its peak. Returns whether it was done (Linux with glibc)."""
     if device.type != "cpu":
         return False
