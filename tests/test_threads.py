@@ -136,3 +136,27 @@ def test_a_pinned_count_does_not_follow(threads, monkeypatch):
     machine.run(10, ours=1.0, others=1.0)  # one core taken
     assert [f.check() for f in followers] == [None] * 4 and torch.get_num_threads() == 2
     assert control.check().startswith("threads: 2 -> 1") and torch.get_num_threads() == 1
+
+
+def test_a_cpu_run_keeps_the_memory_its_steps_free(threads, monkeypatch):
+    """keep_freed_memory asks glibc to serve buffers up to 32 MiB from the heap and never to trim it (a CPU step's
+    freed activations come back for the next step, without fresh page faults); a GPU run, or a C library
+    without mallopt, is left alone; train.py's start does it for a CPU run."""
+    calls = []
+
+    class Libc:
+        def mallopt(self, param, value):
+            calls.append((param, value))
+            return 1
+    monkeypatch.setattr(run_config.ctypes, "CDLL", lambda name: Libc())
+    assert run_config.keep_freed_memory(CPU) is True
+    assert calls == [(-3, 32 * 2 ** 20), (-1, 2 ** 31 - 1)]  # malloc.h: M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+    calls.clear()
+    assert run_config.keep_freed_memory(torch.device("cuda")) is False and calls == []
+    monkeypatch.setattr(run_config.ctypes, "CDLL", lambda name: object())  # no mallopt (not glibc)
+    assert run_config.keep_freed_memory(CPU) is False
+    seen = []
+    import train
+    monkeypatch.setattr(train, "keep_freed_memory", seen.append)
+    train.start_processes(dict(run_config.DEFAULTS, device="cpu", threads=1))
+    assert seen == [CPU]
