@@ -15,9 +15,11 @@ hyper-connection ops share section 4-6):
                                                        out = sum_s w[s] x_s [..., d]; weights [..., C, S]:
                                                        out [..., C, d], out_c = sum_s w[c, s] x_s
 
-Each section reads top to bottom, in the order of Triton's fused layer-norm tutorial: the Triton
-forward kernel, the Triton backward kernel and their launchers; the custom op that wraps them; the
-plain-PyTorch reference beside it; the public function.
+Each section reads top to bottom: the public function (what model.py calls); the plain-PyTorch reference
+(the forward and backward functions, the autograd glue both paths share, and the autograd.Function of the
+impl="torch" path); then the Triton side: the forward and backward kernels and their launchers, the custom op
+that wraps them, its fake, the shared glue registered as its autograd, and the reference registered as its
+CPU implementation.
 
 One reference per kernel: a forward and a backward function in plain PyTorch with the launchers'
 signatures and outputs (rms_norm_fwd_torch and rms_norm_bwd_torch, ...), the kernels' arithmetic
@@ -56,7 +58,7 @@ are stored in the input's dtype, per-row statistics in fp32. Every kernel handle
 
 import contextlib
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -177,6 +179,70 @@ def _aligned(tensors):
 # -----------------------------------------------------------------------------
 # 1. rms_norm: x [..., d], weight [d] or None -> y [..., d];  rstd = 1 / sqrt(mean(x^2) + eps) per row
 
+def rms_norm(x, weight=None, eps=1e-6, impl="auto"):
+    if use_triton(impl, x):
+        return rms_norm_op(x, weight, eps)[0]
+    return RMSNormTorch.apply(x, weight, eps)
+
+
+# the reference: the launchers' contract in plain PyTorch (autocast reaches into an op's
+# implementation, hence fp32_math)
+
+def _rms_stats(xf, eps):
+    """rstd [..., 1] of fp32 rows; vector_norm squares and sums in one pass."""
+    return torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(xf.shape[-1]).add_(eps).rsqrt_()
+
+
+def _rms_norm_grad_x(g, x_hat, rstd):
+    """d x_hat / d x = rstd * (I - x_hat x_hat^T / d) applied to g: two fused passes (vecdot,
+    addcmul) and a scale, about 3x fewer elementwise passes than autograd through the forward."""
+    dot = torch.linalg.vecdot(g, x_hat, dim=-1).unsqueeze(-1).div_(-x_hat.shape[-1])
+    return torch.addcmul(g, x_hat, dot).mul_(rstd)
+
+
+def rms_norm_fwd_torch(x: Tensor, weight: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor]:
+    """(y like x, contiguous; rstd [..., 1] fp32): y is x / rms(x) * weight in fp32, rounded once to
+    x's dtype, as the kernel stores it (a bf16 x and an fp32 weight give bf16)."""
+    with fp32_math(x):
+        xf = upcast(x.contiguous())
+        rstd = _rms_stats(xf, eps)
+        y = xf * rstd
+        return cast(y * weight if weight is not None else y, x.dtype), rstd
+
+
+def rms_norm_bwd_torch(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor) -> tuple[Tensor, Tensor]:
+    """(dx like x; dw like weight, or an empty tensor without one), from x and the saved rstd."""
+    with fp32_math(x):
+        x_hat = upcast(x.contiguous()) * rstd
+        g = upcast(dy.contiguous())
+        dw = (g * x_hat).flatten(0, -2).sum(0).to(weight.dtype) if weight is not None else rstd.new_empty(0)
+        if weight is not None:
+            g = g * weight
+        return _rms_norm_grad_x(g, x_hat, rstd).to(x.dtype), dw
+
+
+def _rms_norm_grads(ctx, dy, backward):
+    """The autograd glue of both paths (RMSNormTorch, and the Triton op's register_autograd): from the saved
+    (x, weight, rstd), the gradients of (x, weight, eps) by `backward`, the reference's or the op's."""
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = backward(dy, x, weight, rstd)
+    return dx, dw if weight is not None else None, None
+
+
+class RMSNormTorch(torch.autograd.Function):
+    """The reference with autograd (impl="torch"): it saves what the op saves (x, weight, rstd)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rstd = rms_norm_fwd_torch(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _rms_norm_grads(ctx, dy, rms_norm_bwd_torch)
+
+
 if triton is not None:
 
     @triton.jit
@@ -260,78 +326,123 @@ def _rms_norm_setup(ctx, inputs, output):
 
 
 def _rms_norm_backward(ctx, dy, _):
-    x, weight, rstd = ctx.saved_tensors
-    dx, dw = rms_norm_backward_op(dy, x, weight, rstd)
-    return dx, dw if weight is not None else None, None
+    return _rms_norm_grads(ctx, dy, rms_norm_backward_op)
 
 
 rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
 
 
-# the reference: the launchers' contract in plain PyTorch (autocast reaches into an op's
-# implementation, hence fp32_math)
-
-def _rms_stats(xf, eps):
-    """rstd [..., 1] of fp32 rows; vector_norm squares and sums in one pass."""
-    return torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(xf.shape[-1]).add_(eps).rsqrt_()
-
-
-def _rms_norm_grad_x(g, x_hat, rstd):
-    """d x_hat / d x = rstd * (I - x_hat x_hat^T / d) applied to g: two fused passes (vecdot,
-    addcmul) and a scale, about 3x fewer elementwise passes than autograd through the forward."""
-    dot = torch.linalg.vecdot(g, x_hat, dim=-1).unsqueeze(-1).div_(-x_hat.shape[-1])
-    return torch.addcmul(g, x_hat, dot).mul_(rstd)
-
-
-@rms_norm_op.register_kernel("cpu")
-def rms_norm_fwd_torch(x: Tensor, weight: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor]:
-    """(y like x, contiguous; rstd [..., 1] fp32): y is x / rms(x) * weight in fp32, rounded once to
-    x's dtype, as the kernel stores it (a bf16 x and an fp32 weight give bf16)."""
-    with fp32_math(x):
-        xf = upcast(x.contiguous())
-        rstd = _rms_stats(xf, eps)
-        y = xf * rstd
-        return cast(y * weight if weight is not None else y, x.dtype), rstd
-
-
-@rms_norm_backward_op.register_kernel("cpu")
-def rms_norm_bwd_torch(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor) -> tuple[Tensor, Tensor]:
-    """(dx like x; dw like weight, or an empty tensor without one), from x and the saved rstd."""
-    with fp32_math(x):
-        x_hat = upcast(x.contiguous()) * rstd
-        g = upcast(dy.contiguous())
-        dw = (g * x_hat).flatten(0, -2).sum(0).to(weight.dtype) if weight is not None else rstd.new_empty(0)
-        if weight is not None:
-            g = g * weight
-        return _rms_norm_grad_x(g, x_hat, rstd).to(x.dtype), dw
-
-
-class RMSNormTorch(torch.autograd.Function):
-    """The reference with autograd (impl="torch"): it saves what the op saves (x, weight, rstd)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        y, rstd = rms_norm_fwd_torch(x, weight, eps)
-        ctx.save_for_backward(x, weight, rstd)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_bwd_torch(dy, x, weight, rstd)
-        return dx, dw if weight is not None else None, None
-
-
-def rms_norm(x, weight=None, eps=1e-6, impl="auto"):
-    if use_triton(impl, x):
-        return rms_norm_op(x, weight, eps)[0]
-    return RMSNormTorch.apply(x, weight, eps)
+rms_norm_op.register_kernel("cpu", rms_norm_fwd_torch)
+rms_norm_backward_op.register_kernel("cpu", rms_norm_bwd_torch)
 
 
 # -----------------------------------------------------------------------------
 # 2. nag_update: r, u [..., d], a [..., 1] -> r_new [..., d], log_gain [..., 1] (fp32), in five steps:
 #   (1) uc = u - mean(u);  (2) up = uc - along r, along = <uc, r> / <r, r>;  (3) v = up / sqrt(mean(up^2) + eps)
 #   (4) p = r + a v, r1 = p / sqrt(1 + a^2), r_new = r1 / rms(r1);  (5) log_gain = 0.5 log1p(a^2)
+
+def nag_update(r, u, a, eps=1e-6, impl="auto"):
+    """The NAG write-back of a sublayer output u into the direction r (unit RMS) with tangent a.
+    Returns the new direction and the log-gain 0.5 * log(1 + a^2) that the stream's log-norm gains."""
+    if use_triton(impl, r):
+        return nag_update_op(r, u, a, eps)
+    return NAGUpdateTorch.apply(r, u, a, eps)
+
+
+# the reference: the kernels' steps in plain PyTorch
+
+class NAGSteps(NamedTuple):
+    """The forward's intermediates that the backward needs (steps 1-4, fp32; fp64 stays fp64)."""
+    r: Tensor  # the direction, upcast
+    a: Tensor  # the tangent, upcast
+    uc: Tensor  # 1. u centred
+    rr: Tensor  # <r, r>
+    along: Tensor  # uc's coefficient along r
+    rstd_up: Tensor  # 1 / rms of up = uc - along r (2.)
+    v: Tensor  # 3. up at unit RMS
+    cos: Tensor  # cos(arctan(a)) = 1 / sqrt(1 + a^2)
+    p: Tensor  # r + a v
+    rstd_r1: Tensor  # 1 / rms of r1 = cos p (4.)
+    r_new: Tensor  # r1 at unit RMS
+
+
+def _nag_steps(r, u, a, eps):
+    """The forward's steps 1-4 (NAGSteps)."""
+    r, u, a = upcast(r), upcast(u), upcast(a)
+    uc = u - u.mean(-1, keepdim=True)  # 1. centre
+    rr = (r * r).sum(-1, keepdim=True)
+    along = (uc * r).sum(-1, keepdim=True) / rr  # uc's coefficient along r
+    up = uc - along * r  # 2. orthogonal to r
+    rstd_up = torch.rsqrt(up.square().mean(-1, keepdim=True) + eps)
+    v = up * rstd_up  # 3. unit RMS
+    cos = torch.rsqrt(1 + a * a)  # cos(arctan(a)); a cos is the sine
+    p = r + a * v
+    r1 = cos * p  # 4. rotate by arctan(a) ...
+    rstd_r1 = torch.rsqrt(r1.square().mean(-1, keepdim=True))
+    return NAGSteps(r, a, uc, rr, along, rstd_up, v, cos, p, rstd_r1, r1 * rstd_r1)  # ... and stop drift in low precision
+
+
+def nag_update_fwd_torch(r: Tensor, u: Tensor, a: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(r_new like r, contiguous; log_gain [..., 1] fp32)."""
+    r, u = r.contiguous(), u.contiguous()
+    af = upcast(a)
+    r_new = _nag_steps(r, u, a, eps).r_new
+    # 5. log-gain, per row; the product is the last op, so that it is never a no-op .contiguous() (see cast)
+    log_gain = 0.5 * torch.log1p(af * af).expand(*r.shape[:-1], 1).contiguous()
+    return cast(r_new, r.dtype), log_gain
+
+
+def nag_update_bwd_torch(r: Tensor, u: Tensor, a: Tensor, grad_r_new: Tensor, grad_log_gain: Tensor,
+                         eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad r, grad u, grad a per row [..., 1] fp32): the backward kernel's steps."""
+    s = _nag_steps(r.contiguous(), u.contiguous(), a, eps)
+    rf, a, uc, rr, along, rstd_up, v, cos, p, rstd_r1, r_new = (  # by name: the same letters as the kernel's
+        s.r, s.a, s.uc, s.rr, s.along, s.rstd_up, s.v, s.cos, s.p, s.rstd_r1, s.r_new)
+    g, gl = upcast(grad_r_new), upcast(grad_log_gain)
+    g_r1 = rstd_r1 * (g - r_new * (g * r_new).mean(-1, keepdim=True))  # through r_new = r1 / rms(r1)
+    g_a = (cos * (g_r1 * v).sum(-1, keepdim=True) - a * cos ** 3 * (g_r1 * p).sum(-1, keepdim=True)
+           + gl * a * cos * cos)  # through r1 = cos (r + a v) and log_gain = 0.5 log1p(a^2)
+    g_v = cos * a * g_r1
+    g_up = rstd_up * (g_v - v * (g_v * v).mean(-1, keepdim=True))  # through v = up / rms(up)
+    gur = (g_up * rf).sum(-1, keepdim=True) / rr
+    g_uc = g_up - gur * rf  # through up = uc - along r
+    g_u = g_uc - g_uc.mean(-1, keepdim=True)  # through uc = u - mean(u)
+    g_r = cos * g_r1 - along * g_up - gur * (uc - 2.0 * along * rf)
+    return g_r.to(r.dtype), g_u.to(u.dtype), g_a.expand(*r.shape[:-1], 1).contiguous()
+
+
+def _nag_update_save(ctx, r, u, a, eps):
+    """The autograd glue of both paths (NAGUpdateTorch, and the Triton op's register_autograd): the backward
+    keeps the inputs alone and recomputes the forward's steps."""
+    ctx.save_for_backward(r, u, a)
+    ctx.eps = eps
+
+
+def _nag_update_grads(ctx, grad_r_new, grad_log_gain, backward):
+    """The gradients of (r, u, a, eps) by `backward`, the reference's or the op's; an output nobody used has
+    no gradient, and a may be broadcast over rows."""
+    r, u, a = ctx.saved_tensors
+    if grad_log_gain is None:
+        grad_log_gain = r.new_zeros(*r.shape[:-1], 1, dtype=acc_dtype(r))
+    if grad_r_new is None:
+        grad_r_new = torch.zeros_like(r)
+    gr, gu, ga = backward(r, u, a, grad_r_new, grad_log_gain, ctx.eps)
+    return gr, gu, ga.sum_to_size(a.shape).to(a.dtype), None
+
+
+class NAGUpdateTorch(torch.autograd.Function):
+    """The reference with autograd (impl="torch"): it saves what the op saves (r, u, a) and
+    recomputes the forward's steps in the backward, as the backward kernel does."""
+
+    @staticmethod
+    def forward(ctx, r, u, a, eps):
+        _nag_update_save(ctx, r, u, a, eps)
+        return nag_update_fwd_torch(r, u, a, eps)
+
+    @staticmethod
+    def backward(ctx, grad_r_new, grad_log_gain):
+        return _nag_update_grads(ctx, grad_r_new, grad_log_gain, nag_update_bwd_torch)
+
 
 if triton is not None:
 
@@ -437,95 +548,18 @@ def _(r, u, a, grad_r_new, grad_log_gain, eps):
 
 
 def _nag_update_setup(ctx, inputs, output):
-    r, u, a, eps = inputs
-    ctx.save_for_backward(r, u, a)
-    ctx.eps = eps
+    _nag_update_save(ctx, *inputs)
 
 
 def _nag_update_backward(ctx, grad_r_new, grad_log_gain):
-    r, u, a = ctx.saved_tensors
-    if grad_log_gain is None:  # an output nobody used
-        grad_log_gain = r.new_zeros(*r.shape[:-1], 1, dtype=acc_dtype(r))
-    if grad_r_new is None:
-        grad_r_new = torch.zeros_like(r)
-    gr, gu, ga = nag_update_backward_op(r, u, a, grad_r_new, grad_log_gain, ctx.eps)
-    return gr, gu, ga.sum_to_size(a.shape).to(a.dtype), None  # a may be broadcast over rows
+    return _nag_update_grads(ctx, grad_r_new, grad_log_gain, nag_update_backward_op)
 
 
 nag_update_op.register_autograd(_nag_update_backward, setup_context=_nag_update_setup)
 
 
-# the reference: the kernels' steps in plain PyTorch
-
-def _nag_steps(r, u, a, eps):
-    """The forward's steps 1-4 in fp32 (fp64 stays fp64): (r, a, uc, rr, along, rstd_up, v, cos, p,
-    rstd_r1, r_new), the intermediates that the backward needs, r_new last."""
-    r, u, a = upcast(r), upcast(u), upcast(a)
-    uc = u - u.mean(-1, keepdim=True)  # 1. centre
-    rr = (r * r).sum(-1, keepdim=True)
-    along = (uc * r).sum(-1, keepdim=True) / rr  # uc's coefficient along r
-    up = uc - along * r  # 2. orthogonal to r
-    rstd_up = torch.rsqrt(up.square().mean(-1, keepdim=True) + eps)
-    v = up * rstd_up  # 3. unit RMS
-    cos = torch.rsqrt(1 + a * a)  # cos(arctan(a)); a cos is the sine
-    p = r + a * v
-    r1 = cos * p  # 4. rotate by arctan(a) ...
-    rstd_r1 = torch.rsqrt(r1.square().mean(-1, keepdim=True))
-    return r, a, uc, rr, along, rstd_up, v, cos, p, rstd_r1, r1 * rstd_r1  # ... and stop drift in low precision
-
-
-@nag_update_op.register_kernel("cpu")
-def nag_update_fwd_torch(r: Tensor, u: Tensor, a: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(r_new like r, contiguous; log_gain [..., 1] fp32)."""
-    r, u = r.contiguous(), u.contiguous()
-    af = upcast(a)
-    r_new = _nag_steps(r, u, a, eps)[-1]
-    # 5. log-gain, per row; the product is the last op, so that it is never a no-op .contiguous() (see cast)
-    log_gain = 0.5 * torch.log1p(af * af).expand(*r.shape[:-1], 1).contiguous()
-    return cast(r_new, r.dtype), log_gain
-
-
-@nag_update_backward_op.register_kernel("cpu")
-def nag_update_bwd_torch(r: Tensor, u: Tensor, a: Tensor, grad_r_new: Tensor, grad_log_gain: Tensor,
-                         eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(grad r, grad u, grad a per row [..., 1] fp32): the backward kernel's steps."""
-    rf, a, uc, rr, along, rstd_up, v, cos, p, rstd_r1, r_new = _nag_steps(r.contiguous(), u.contiguous(), a, eps)
-    g, gl = upcast(grad_r_new), upcast(grad_log_gain)
-    g_r1 = rstd_r1 * (g - r_new * (g * r_new).mean(-1, keepdim=True))  # through r_new = r1 / rms(r1)
-    g_a = (cos * (g_r1 * v).sum(-1, keepdim=True) - a * cos ** 3 * (g_r1 * p).sum(-1, keepdim=True)
-           + gl * a * cos * cos)  # through r1 = cos (r + a v) and log_gain = 0.5 log1p(a^2)
-    g_v = cos * a * g_r1
-    g_up = rstd_up * (g_v - v * (g_v * v).mean(-1, keepdim=True))  # through v = up / rms(up)
-    gur = (g_up * rf).sum(-1, keepdim=True) / rr
-    g_uc = g_up - gur * rf  # through up = uc - along r
-    g_u = g_uc - g_uc.mean(-1, keepdim=True)  # through uc = u - mean(u)
-    g_r = cos * g_r1 - along * g_up - gur * (uc - 2.0 * along * rf)
-    return g_r.to(r.dtype), g_u.to(u.dtype), g_a.expand(*r.shape[:-1], 1).contiguous()
-
-
-class NAGUpdateTorch(torch.autograd.Function):
-    """The reference with autograd (impl="torch"): it saves what the op saves (r, u, a) and
-    recomputes the forward's steps in the backward, as the backward kernel does."""
-
-    @staticmethod
-    def forward(ctx, r, u, a, eps):
-        ctx.save_for_backward(r, u, a)
-        ctx.eps = eps
-        return nag_update_fwd_torch(r, u, a, eps)
-
-    @staticmethod
-    def backward(ctx, grad_r_new, grad_log_gain):
-        r, u, a = ctx.saved_tensors
-        gr, gu, ga = nag_update_bwd_torch(r, u, a, grad_r_new, grad_log_gain, ctx.eps)
-        return gr, gu, ga.sum_to_size(a.shape).to(a.dtype), None  # a may be broadcast over rows
-
-
-def nag_update(r, u, a, eps=1e-6, impl="auto"):
-    """The NAG write-back of a sublayer output u into the direction r (unit RMS) with tangent a.
-    Returns the new direction and the log-gain 0.5 * log(1 + a^2) that the stream's log-norm gains."""
-    if use_triton(impl, r):
-        return nag_update_op(r, u, a, eps)
-    return NAGUpdateTorch.apply(r, u, a, eps)
+nag_update_op.register_kernel("cpu", nag_update_fwd_torch)
+nag_update_backward_op.register_kernel("cpu", nag_update_bwd_torch)
 
 
 # -----------------------------------------------------------------------------
@@ -538,6 +572,112 @@ def nag_update(r, u, a, eps=1e-6, impl="auto"):
 # fp32 log-sum-exp per token: O(L d). The kernels get the sources as a table of addresses.
 # The forward reads each source once (an online softmax over depth); the backward reads each twice,
 # first for <g, mix> (see _depth_attention_bwd), then for the gradients.
+
+def depth_attention(sources, query, norm_weight, eps=1e-6, impl="auto"):
+    """sum_s softmax_s(<query, RMSNorm(sources_s)>) sources_s: a softmax over depth per token.
+    sources: a list of S >= 1 tensors [..., d] of one shape and dtype, or one stacked [S, ..., d];
+    query and norm_weight [d]. Returns mix [..., d] in the sources' dtype."""
+    sources = _source_list(sources)
+    if use_triton(impl, sources[0]):
+        return depth_attention_op(sources, query, norm_weight, eps)[0]
+    if not torch.is_grad_enabled():
+        # nothing to save for a backward: the reference's forward alone (Dynamo also failed to
+        # trace the autograd.Function in the model's compiled no-grad eval; test_compiled_eval_equals_eager)
+        return depth_attention_fwd_torch(sources, query, norm_weight, eps)[0]
+    return DepthAttentionTorch.apply(query, norm_weight, eps, *sources)
+
+
+# the reference: the kernels' formulas in plain PyTorch, one source at a time
+
+def _source_stats(sources, query, norm_weight, eps):
+    """(qw, <v_s, qw> [S, ...], rho_s = 1 / rms(v_s) [S, ...]) in fp32, one pass over each source
+    for each statistic. Per source, not stacked: a stacked copy costs more than the op calls."""
+    qw = upcast(query) * upcast(norm_weight)
+    dots = torch.stack([upcast(v) @ qw for v in sources])
+    norms = torch.stack([torch.linalg.vector_norm(v, dim=-1, dtype=qw.dtype) for v in sources])
+    return qw, dots, torch.rsqrt(norms.square_().div_(qw.numel()).add_(eps))
+
+
+def depth_attention_fwd_torch(sources: list[Tensor], query: Tensor, norm_weight: Tensor,
+                              eps: float) -> tuple[Tensor, Tensor]:
+    """(mix like a source, contiguous; lse [...] fp32)."""
+    with fp32_math(sources[0]):
+        sources = [v.contiguous() for v in sources]
+        qw, dots, rho = _source_stats(sources, query, norm_weight, eps)
+        z = dots * rho
+        lse = torch.logsumexp(z, dim=0)
+        w = torch.exp(z - lse).unsqueeze(-1)
+        mix = sources[0] * w[0]  # fp32: the weighted sum accumulates in fp32, one source at a time,
+        for s in range(1, len(sources)):  # in one buffer, not a new [..., d] per source
+            if s < len(sources) - 1:
+                torch.addcmul(mix, sources[s], w[s], out=mix)  # in place (out=: the FLOP count sees an addcmul)
+            else:  # the last not in place: DepthAttentionTorch returns it (see cast)
+                mix = torch.addcmul(mix, sources[s], w[s])
+        return cast(mix, sources[0].dtype), lse
+
+
+def depth_attention_bwd_torch(sources: list[Tensor], query: Tensor, norm_weight: Tensor, lse: Tensor,
+                              grad_mix: Tensor, eps: float) -> tuple[list[Tensor], Tensor, Tensor]:
+    """(a gradient per source, grad query, grad norm_weight)."""
+    with fp32_math(grad_mix):
+        sources = [v.contiguous() for v in sources]
+        qw, dots, rho = _source_stats(sources, query, norm_weight, eps)
+        w = torch.exp(dots * rho - lse)
+        g = upcast(grad_mix.contiguous())
+        g_v = torch.stack([torch.linalg.vecdot(upcast(v), g) for v in sources])  # <g, v_s>
+        gz = w * (g_v - (w * g_v).sum(0))  # through the softmax; <g, mix> = sum_s w_s <g, v_s>
+        c_q = gz * rho  # dz_s / d qw = rho_s v_s, dz_s / d v_s = rho_s qw - <v_s, qw> rho_s^3 v_s / d
+        c_v = c_q * dots * rho * rho / -qw.numel()
+        grads, dqw = [], torch.zeros_like(qw)
+        for v, w_s, cq_s, cv_s in zip(sources, w.unsqueeze(-1), c_q.unsqueeze(-1), c_v.unsqueeze(-1)):
+            dv = (g * w_s).addcmul_(cq_s, qw).addcmul_(v, cv_s)
+            grads.append(dv.to(v.dtype))
+            dqw.addmv_(upcast(v).reshape(-1, qw.numel()).T, cq_s.reshape(-1))
+        return grads, (dqw * upcast(norm_weight)).to(query.dtype), (dqw * upcast(query)).to(norm_weight.dtype)
+
+
+def _depth_attention_save(ctx, sources, query, norm_weight, lse, eps):
+    """The autograd glue of both paths (DepthAttentionTorch, and the Triton op's register_autograd): the
+    sources as they are, the query, the norm's weight and the forward's lse."""
+    ctx.save_for_backward(query, norm_weight, lse, *sources)
+    ctx.eps = eps
+
+
+def _depth_attention_grads(ctx, grad_mix, backward):
+    """(a gradient per source, grad query, grad norm_weight) by `backward`, the reference's or the op's."""
+    query, norm_weight, lse, *sources = ctx.saved_tensors
+    return backward(sources, query, norm_weight, lse, grad_mix, ctx.eps)
+
+
+class DepthAttentionTorch(torch.autograd.Function):
+    """The reference with autograd (impl="torch"): it saves what the op saves (the sources, query,
+    norm_weight and lse); the sources are passed one by one so that autograd saves them as they are
+    (no stacked copy) and gives each its own gradient."""
+
+    @staticmethod
+    def forward(ctx, query, norm_weight, eps, *sources):
+        mix, lse = depth_attention_fwd_torch(list(sources), query, norm_weight, eps)
+        _depth_attention_save(ctx, sources, query, norm_weight, lse, eps)
+        return mix
+
+    @staticmethod
+    def backward(ctx, grad_mix):
+        grads, gq, gw = _depth_attention_grads(ctx, grad_mix, depth_attention_bwd_torch)
+        return gq, gw, None, *grads
+
+
+def _source_list(sources, op="depth_attention"):
+    """The sources as a list (a stacked tensor: its views), checked to be alike; op names the caller in errors."""
+    sources = list(sources.unbind(0)) if isinstance(sources, Tensor) else list(sources)
+    if not sources:
+        raise ValueError(f"{op} needs at least one source")
+    v = sources[0]
+    for s in sources[1:]:
+        if s.shape != v.shape or s.dtype != v.dtype or s.device != v.device:
+            raise ValueError(f"{op}: every source must have one shape, dtype and device; got "
+                             f"{tuple(v.shape)} {v.dtype} {v.device} and {tuple(s.shape)} {s.dtype} {s.device}")
+    return sources
+
 
 if triton is not None:
 
@@ -656,116 +796,19 @@ def _(sources, query, norm_weight, lse, grad_mix, eps):
 
 def _depth_attention_setup(ctx, inputs, output):
     sources, query, norm_weight, eps = inputs
-    lse = output[1]
-    ctx.save_for_backward(query, norm_weight, lse, *sources)
-    ctx.eps = eps
-    ctx.mark_non_differentiable(lse)
+    _depth_attention_save(ctx, sources, query, norm_weight, output[1], eps)
+    ctx.mark_non_differentiable(output[1])
 
 
 def _depth_attention_backward(ctx, grad_mix, _):
-    query, norm_weight, lse, *sources = ctx.saved_tensors
-    grads, gq, gw = depth_attention_backward_op(sources, query, norm_weight, lse, grad_mix, ctx.eps)
-    return grads, gq, gw, None
+    return *_depth_attention_grads(ctx, grad_mix, depth_attention_backward_op), None
 
 
 depth_attention_op.register_autograd(_depth_attention_backward, setup_context=_depth_attention_setup)
 
 
-# the reference: the kernels' formulas in plain PyTorch, one source at a time
-
-def _source_stats(sources, query, norm_weight, eps):
-    """(qw, <v_s, qw> [S, ...], rho_s = 1 / rms(v_s) [S, ...]) in fp32, one pass over each source
-    for each statistic. Per source, not stacked: a stacked copy costs more than the op calls."""
-    qw = upcast(query) * upcast(norm_weight)
-    dots = torch.stack([upcast(v) @ qw for v in sources])
-    norms = torch.stack([torch.linalg.vector_norm(v, dim=-1, dtype=qw.dtype) for v in sources])
-    return qw, dots, torch.rsqrt(norms.square_().div_(qw.numel()).add_(eps))
-
-
-@depth_attention_op.register_kernel("cpu")
-def depth_attention_fwd_torch(sources: list[Tensor], query: Tensor, norm_weight: Tensor,
-                              eps: float) -> tuple[Tensor, Tensor]:
-    """(mix like a source, contiguous; lse [...] fp32)."""
-    with fp32_math(sources[0]):
-        sources = [v.contiguous() for v in sources]
-        qw, dots, rho = _source_stats(sources, query, norm_weight, eps)
-        z = dots * rho
-        lse = torch.logsumexp(z, dim=0)
-        w = torch.exp(z - lse).unsqueeze(-1)
-        mix = sources[0] * w[0]  # fp32: the weighted sum accumulates in fp32, one source at a time,
-        for s in range(1, len(sources)):  # in one buffer, not a new [..., d] per source
-            if s < len(sources) - 1:
-                torch.addcmul(mix, sources[s], w[s], out=mix)  # in place (out=: the FLOP count sees an addcmul)
-            else:  # the last not in place: DepthAttentionTorch returns it (see cast)
-                mix = torch.addcmul(mix, sources[s], w[s])
-        return cast(mix, sources[0].dtype), lse
-
-
-@depth_attention_backward_op.register_kernel("cpu")
-def depth_attention_bwd_torch(sources: list[Tensor], query: Tensor, norm_weight: Tensor, lse: Tensor,
-                              grad_mix: Tensor, eps: float) -> tuple[list[Tensor], Tensor, Tensor]:
-    """(a gradient per source, grad query, grad norm_weight)."""
-    with fp32_math(grad_mix):
-        sources = [v.contiguous() for v in sources]
-        qw, dots, rho = _source_stats(sources, query, norm_weight, eps)
-        w = torch.exp(dots * rho - lse)
-        g = upcast(grad_mix.contiguous())
-        g_v = torch.stack([torch.linalg.vecdot(upcast(v), g) for v in sources])  # <g, v_s>
-        gz = w * (g_v - (w * g_v).sum(0))  # through the softmax; <g, mix> = sum_s w_s <g, v_s>
-        c_q = gz * rho  # dz_s / d qw = rho_s v_s, dz_s / d v_s = rho_s qw - <v_s, qw> rho_s^3 v_s / d
-        c_v = c_q * dots * rho * rho / -qw.numel()
-        grads, dqw = [], torch.zeros_like(qw)
-        for v, w_s, cq_s, cv_s in zip(sources, w.unsqueeze(-1), c_q.unsqueeze(-1), c_v.unsqueeze(-1)):
-            dv = (g * w_s).addcmul_(cq_s, qw).addcmul_(v, cv_s)
-            grads.append(dv.to(v.dtype))
-            dqw.addmv_(upcast(v).reshape(-1, qw.numel()).T, cq_s.reshape(-1))
-        return grads, (dqw * upcast(norm_weight)).to(query.dtype), (dqw * upcast(query)).to(norm_weight.dtype)
-
-
-class DepthAttentionTorch(torch.autograd.Function):
-    """The reference with autograd (impl="torch"): it saves what the op saves (the sources, query,
-    norm_weight and lse); the sources are passed one by one so that autograd saves them as they are
-    (no stacked copy) and gives each its own gradient."""
-
-    @staticmethod
-    def forward(ctx, query, norm_weight, eps, *sources):
-        mix, lse = depth_attention_fwd_torch(list(sources), query, norm_weight, eps)
-        ctx.save_for_backward(query, norm_weight, lse, *sources)
-        ctx.eps = eps
-        return mix
-
-    @staticmethod
-    def backward(ctx, grad_mix):
-        query, norm_weight, lse, *sources = ctx.saved_tensors
-        grads, gq, gw = depth_attention_bwd_torch(sources, query, norm_weight, lse, grad_mix, ctx.eps)
-        return gq, gw, None, *grads
-
-
-def _source_list(sources, op="depth_attention"):
-    """The sources as a list (a stacked tensor: its views), checked to be alike; op names the caller in errors."""
-    sources = list(sources.unbind(0)) if isinstance(sources, Tensor) else list(sources)
-    if not sources:
-        raise ValueError(f"{op} needs at least one source")
-    v = sources[0]
-    for s in sources[1:]:
-        if s.shape != v.shape or s.dtype != v.dtype or s.device != v.device:
-            raise ValueError(f"{op}: every source must have one shape, dtype and device; got "
-                             f"{tuple(v.shape)} {v.dtype} {v.device} and {tuple(s.shape)} {s.dtype} {s.device}")
-    return sources
-
-
-def depth_attention(sources, query, norm_weight, eps=1e-6, impl="auto"):
-    """sum_s softmax_s(<query, RMSNorm(sources_s)>) sources_s: a softmax over depth per token.
-    sources: a list of S >= 1 tensors [..., d] of one shape and dtype, or one stacked [S, ..., d];
-    query and norm_weight [d]. Returns mix [..., d] in the sources' dtype."""
-    sources = _source_list(sources)
-    if use_triton(impl, sources[0]):
-        return depth_attention_op(sources, query, norm_weight, eps)[0]
-    if not torch.is_grad_enabled():
-        # nothing to save for a backward: the reference's forward alone (Dynamo also failed to
-        # trace the autograd.Function in the model's compiled no-grad eval; test_compiled_eval_equals_eager)
-        return depth_attention_fwd_torch(sources, query, norm_weight, eps)[0]
-    return DepthAttentionTorch.apply(query, norm_weight, eps, *sources)
+depth_attention_op.register_kernel("cpu", depth_attention_fwd_torch)
+depth_attention_backward_op.register_kernel("cpu", depth_attention_bwd_torch)
 
 
 # -----------------------------------------------------------------------------
@@ -780,6 +823,241 @@ def depth_attention(sources, query, norm_weight, eps=1e-6, impl="auto"):
 #     then (repeat - 1) times rows, then columns. Always fp32.
 #   hc_post_mix(x, out, h_post, h_res) -> X'_j = sum_m h_res[m, j] X_m + h_post[j] out  (the write)
 # All three are memory-bound per token; the coefficients are fp32 whatever the stream's dtype.
+
+def mhc_pre_mix(x, proj, scale, base, norm_eps=1e-6, pre_eps=1e-6, post_mult=1.0, impl="auto"):
+    """mHC's coefficients and read for one sublayer. x [..., n, d] the streams; proj [..., n(n+2)] =
+    vec(x) phi^T (any float dtype); scale [3]; base [n(n+2)]. Returns (u [..., d] in x's dtype,
+    h_post [..., n] fp32, res_logits [..., n, n] fp32 for sinkhorn)."""
+    if use_triton(impl, x):
+        return mhc_pre_mix_op(x, proj, scale, base, norm_eps, pre_eps, post_mult)
+    return MHCPreMixTorch.apply(x, proj, scale, base, norm_eps, pre_eps, post_mult)
+
+
+def sinkhorn(logits, repeat=10, eps=1e-6, impl="auto"):
+    """Sinkhorn-Knopp as in mHC's official code: logits [..., n, n] -> H [..., n, n] fp32, near
+    doubly stochastic (columns exact, rows within the iterations' error), whatever the autocast."""
+    if use_triton(impl, logits):
+        return sinkhorn_op(logits, repeat, eps)
+    return SinkhornTorch.apply(logits, repeat, eps)
+
+
+def hc_post_mix(x, out, h_post, h_res, impl="auto"):
+    """The hyper-connection write: X'_j = sum_m h_res[m, j] X_m + h_post[j] out. x [..., n, d];
+    out [..., d]; h_post [..., n] and h_res [..., n, n], per row or shared (broadcast). Returns X' in
+    x's dtype."""
+    if use_triton(impl, x):
+        return hc_post_mix_op(x, out, h_post, h_res)
+    return HCPostMixTorch.apply(x, out, h_post, h_res)
+
+
+# the references: the launchers' contracts in plain PyTorch
+
+
+def _hc_scale(scale, n):
+    """scale [3] spread over the n + n + n*n coefficients, fp32."""
+    s = upcast(scale)
+    return torch.cat((s[0].expand(n), s[1].expand(n), s[2].expand(n * n)))
+
+
+def _mhc_coefficients(x, proj, scale, base, norm_eps, pre_eps, post_mult):
+    """(xf, rstd [..., 1], mixes = proj * rstd [..., K], sigmoid(c[:n]), sigmoid(c[n:2n]), res logits [..., n, n])
+    in fp32 (fp64 stays fp64)."""
+    n = x.shape[-2]
+    xf = upcast(x)
+    rstd = torch.rsqrt(xf.square().mean((-2, -1)) + norm_eps).unsqueeze(-1)
+    mixes = upcast(proj) * rstd
+    c = mixes * _hc_scale(scale, n).to(mixes.dtype) + upcast(base)
+    return (xf, rstd, mixes, torch.sigmoid(c[..., :n]), torch.sigmoid(c[..., n:2 * n]),
+            c[..., 2 * n:].unflatten(-1, (n, n)))
+
+
+def mhc_pre_mix_fwd_torch(x: Tensor, proj: Tensor, scale: Tensor, base: Tensor, norm_eps: float, pre_eps: float,
+                          post_mult: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(u [..., d] in x's dtype; h_post [..., n] fp32; res_logits [..., n, n] fp32)."""
+    with fp32_math(x):
+        xf, rstd, mixes, sig_pre, sig_post, res = _mhc_coefficients(x, proj, scale, base, norm_eps, pre_eps, post_mult)
+        u = ((sig_pre + pre_eps).unsqueeze(-1) * xf).sum(-2)
+        return cast(u, x.dtype), sig_post * post_mult, res.contiguous()
+
+
+def mhc_pre_mix_bwd_torch(x: Tensor, proj: Tensor, scale: Tensor, base: Tensor, grad_u: Tensor, grad_h_post: Tensor,
+                          grad_res: Tensor, norm_eps: float, pre_eps: float,
+                          post_mult: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(grad x, grad proj, grad scale [3], grad base [K]): the forward's steps back, last to first."""
+    with fp32_math(x):
+        n, d = x.shape[-2:]
+        xf, rstd, mixes, sig_pre, sig_post, res = _mhc_coefficients(x, proj, scale, base, norm_eps, pre_eps, post_mult)
+        gu = upcast(grad_u)
+        g_pre = (xf * gu.unsqueeze(-2)).sum(-1)  # through u = sum_m h_pre[m] X_m
+        g_c = torch.cat((g_pre * sig_pre * (1 - sig_pre),  # through the sigmoids
+                         upcast(grad_h_post) * post_mult * sig_post * (1 - sig_post),
+                         upcast(grad_res).flatten(-2)), dim=-1)
+        g_mixes = g_c * _hc_scale(scale, n).to(g_c.dtype)  # through c = mixes * scale + base
+        g_rstd = (g_mixes * upcast(proj)).sum(-1, keepdim=True)  # through mixes = proj * rstd
+        # through rstd = (mean(X^2) + eps)^-1/2: d rstd / d X = -rstd^3 X / (n d)
+        g_x = (sig_pre + pre_eps).unsqueeze(-1) * gu.unsqueeze(-2) - (g_rstd * rstd ** 3 / (n * d)).unsqueeze(-1) * xf
+        parts = (g_c * mixes).reshape(-1, g_c.shape[-1])
+        g_scale = torch.stack((parts[:, :n].sum(), parts[:, n:2 * n].sum(), parts[:, 2 * n:].sum()))
+        return (g_x.to(x.dtype), (g_mixes * rstd).to(proj.dtype), g_scale.to(scale.dtype),
+                g_c.reshape(-1, g_c.shape[-1]).sum(0).to(base.dtype))
+
+
+def _mhc_pre_mix_save(ctx, x, proj, scale, base, *args):
+    """The autograd glue of both paths (MHCPreMixTorch, and the Triton op's register_autograd): the inputs
+    alone (x is the stream, which the projection's matmul saves too); the backward recomputes the rest."""
+    ctx.save_for_backward(x, proj, scale, base)
+    ctx.args = args
+
+
+def _mhc_pre_mix_grads(ctx, grad_u, grad_h_post, grad_res, backward):
+    """The gradients of (x, proj, scale, base, and the three floats) by `backward`, the reference's or the
+    op's; an output nobody used has no gradient."""
+    x, proj, scale, base = ctx.saved_tensors
+    n, d = x.shape[-2:]
+    if grad_u is None:
+        grad_u = x.new_zeros(*x.shape[:-2], d)
+    if grad_h_post is None:
+        grad_h_post = x.new_zeros(x.shape[:-1], dtype=acc_dtype(x))
+    if grad_res is None:
+        grad_res = x.new_zeros(*x.shape[:-1], n, dtype=acc_dtype(x))
+    return *backward(x, proj, scale, base, grad_u, grad_h_post, grad_res, *ctx.args), None, None, None
+
+
+class MHCPreMixTorch(torch.autograd.Function):
+    """The reference with autograd (impl="torch"): saves x, proj, scale and base (x is the stream,
+    which the projection's matmul saves too), and recomputes the coefficients in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, proj, scale, base, norm_eps, pre_eps, post_mult):
+        _mhc_pre_mix_save(ctx, x, proj, scale, base, norm_eps, pre_eps, post_mult)
+        return mhc_pre_mix_fwd_torch(x, proj, scale, base, *ctx.args)
+
+    @staticmethod
+    def backward(ctx, grad_u, grad_h_post, grad_res):
+        return _mhc_pre_mix_grads(ctx, grad_u, grad_h_post, grad_res, mhc_pre_mix_bwd_torch)
+
+
+def _sinkhorn_steps(logits, repeat, eps):
+    """The forward's iterates, computed on [n, n, M] (M: the rows): the matrix axes first, so that every
+    sum over an axis adds whole rows of tokens (several times faster on a CPU than sums over the last
+    axes), and the rows in one contiguous axis, so that each op is a single pass with one broadcast.
+    ([(z, denominator, axis), ...], each z before it is divided by its denominator, its sums over axis
+    (0: columns, 1: rows) plus eps; the output). fp32 (fp64 stays fp64). eps is one 0-d tensor: a Python
+    float is wrapped into a new tensor at every op, which costs more than the op at these sizes."""
+    n = logits.shape[-1]
+    z = torch.softmax(upcast(logits).reshape(-1, n, n).movedim(0, -1), dim=1)  # a contiguous [n, n, M]
+    eps = z.new_full((), eps)
+    z = z + eps
+    steps = []
+    for axis in (0,) + (1, 0) * (repeat - 1):
+        denom = z.sum(axis, keepdim=True).add_(eps)
+        steps.append((z, denom, axis))
+        z = z / denom
+    return steps, z
+
+
+def _sinkhorn_rows(h, like):
+    """An [n, n, M] iterate (or gradient) back as a contiguous tensor of like's shape [..., n, n] (a copy
+    made last: the autograd.Function returns it, see cast)."""
+    return h.view(*h.shape[:2], *like.shape[:-2]).movedim((0, 1), (-2, -1)).contiguous()
+
+
+def sinkhorn_fwd_torch(logits: Tensor, repeat: int, eps: float) -> Tensor:
+    """H [..., n, n] fp32, contiguous: columns sum to 1 (the last step), rows to 1 within the iterations' error."""
+    with fp32_math(logits):
+        return _sinkhorn_rows(_sinkhorn_steps(logits, repeat, eps)[1], logits)
+
+
+def sinkhorn_bwd_torch(logits: Tensor, grad: Tensor, repeat: int, eps: float) -> Tensor:
+    """grad logits, fp32: the iterates (and their denominators) recomputed, then each step back, last to first."""
+    with fp32_math(logits):
+        steps, _ = _sinkhorn_steps(logits, repeat, eps)
+        n = logits.shape[-1]
+        g = upcast(grad).reshape(-1, n, n).movedim(0, -1).contiguous()
+        for z, denom, axis in reversed(steps):
+            # y = z / denom, denom = sum_axis z + eps: dz = (g - sum_axis(g z) / denom) / denom
+            g = torch.addcdiv(g, (g * z).sum(axis, keepdim=True), denom, value=-1).div_(denom)
+        p = steps[0][0] - eps  # the softmax
+        return _sinkhorn_rows(p * (g - (g * p).sum(1, keepdim=True)), logits)
+
+
+def _sinkhorn_save(ctx, logits, repeat, eps):
+    """The autograd glue of both paths (SinkhornTorch, and the Triton op's register_autograd): the logits only;
+    the backward recomputes the iterates."""
+    ctx.save_for_backward(logits)
+    ctx.args = (repeat, eps)
+
+
+def _sinkhorn_grads(ctx, grad, backward):
+    """The gradients of (logits, repeat, eps) by `backward`, the reference's or the op's."""
+    logits, = ctx.saved_tensors
+    return backward(logits, grad, *ctx.args).to(logits.dtype), None, None
+
+
+class SinkhornTorch(torch.autograd.Function):
+    """The reference with autograd (impl="torch"): saves the logits only, as the fused kernel does."""
+
+    @staticmethod
+    def forward(ctx, logits, repeat, eps):
+        _sinkhorn_save(ctx, logits, repeat, eps)
+        return sinkhorn_fwd_torch(logits, repeat, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sinkhorn_grads(ctx, grad, sinkhorn_bwd_torch)
+
+
+def hc_post_mix_fwd_torch(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor) -> Tensor:
+    """X' [..., n, d] in x's dtype: X'_j = sum_m h_res[m, j] X_m + h_post[j] out, in fp32. The inputs are
+    detached: torch.matmul broadcasts a shared h_res by another path (another summation order) when an
+    input requires grad, and the op must give one result, eager or compiled."""
+    x, out, h_post, h_res = (t.detach() for t in (x, out, h_post, h_res))
+    with fp32_math(x):
+        xf = upcast(x)
+        mixed = torch.matmul(upcast(h_res).transpose(-1, -2), xf)
+        return cast(torch.addcmul(mixed, upcast(h_post).unsqueeze(-1), upcast(out).unsqueeze(-2)), x.dtype)
+
+
+def hc_post_mix_bwd_torch(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor,
+                          grad: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(grad x, grad out, grad h_post [..., n] fp32, grad h_res [..., n, n] fp32), per row (inputs detached,
+    as the forward's)."""
+    x, out, h_post, h_res, grad = (t.detach() for t in (x, out, h_post, h_res, grad))
+    with fp32_math(x):
+        g, xf, of = upcast(grad), upcast(x), upcast(out)
+        g_x = torch.matmul(upcast(h_res), g)  # dX_m = sum_j h_res[m, j] dX'_j
+        g_out = torch.matmul(upcast(h_post).unsqueeze(-2), g).squeeze(-2)  # sum_j h_post[j] dX'_j
+        g_h_res = torch.matmul(xf, g.transpose(-1, -2))  # <X_m, dX'_j>
+        g_h_post = torch.matmul(g, of.unsqueeze(-1)).squeeze(-1)  # <dX'_j, out>
+        return g_x.to(x.dtype), g_out.to(out.dtype), g_h_post, g_h_res
+
+
+def _sum_to(g, t):
+    """A per-row gradient g summed to the shape of t (a coefficient shared by rows), in t's dtype."""
+    return g.sum_to_size(t.shape).to(t.dtype)
+
+
+def _hc_post_mix_grads(ctx, grad, backward):
+    """The autograd glue of both paths (HCPostMixTorch, and the Triton op's register_autograd, which both save
+    x, out and the coefficients): the gradients by `backward`, the reference's or the op's, per row; a
+    coefficient shared by the rows gets their sum."""
+    x, out, h_post, h_res = ctx.saved_tensors
+    g_x, g_out, g_post, g_res = backward(x, out, h_post, h_res, grad)
+    return g_x, g_out, _sum_to(g_post, h_post), _sum_to(g_res, h_res)
+
+
+class HCPostMixTorch(torch.autograd.Function):
+    """The reference with autograd (impl="torch"): saves x, out and the coefficients."""
+
+    @staticmethod
+    def forward(ctx, x, out, h_post, h_res):
+        ctx.save_for_backward(x, out, h_post, h_res)
+        return hc_post_mix_fwd_torch(x, out, h_post, h_res)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _hc_post_mix_grads(ctx, grad, hc_post_mix_bwd_torch)
+
 
 # The kernels: one program per token row for the two mixes (the row's n x d streams are one
 # [NP, BLOCK] tile, NP and BLOCK the powers of two over n and d), and a block of ROWS matrices per
@@ -1116,33 +1394,19 @@ def _(x, out, h_post, h_res, grad):
 
 
 def _mhc_pre_mix_setup(ctx, inputs, output):
-    x, proj, scale, base, *args = inputs
-    ctx.save_for_backward(x, proj, scale, base)
-    ctx.args = args
+    _mhc_pre_mix_save(ctx, *inputs)
 
 
 def _mhc_pre_mix_backward(ctx, grad_u, grad_h_post, grad_res):
-    x, proj, scale, base = ctx.saved_tensors
-    n, d = x.shape[-2:]
-    if grad_u is None:  # an output nobody used
-        grad_u = x.new_zeros(*x.shape[:-2], d)
-    if grad_h_post is None:
-        grad_h_post = x.new_zeros(x.shape[:-1], dtype=acc_dtype(x))
-    if grad_res is None:
-        grad_res = x.new_zeros(*x.shape[:-1], n, dtype=acc_dtype(x))
-    grads = mhc_pre_mix_backward_op(x, proj, scale, base, grad_u, grad_h_post, grad_res, *ctx.args)
-    return *grads, None, None, None
+    return _mhc_pre_mix_grads(ctx, grad_u, grad_h_post, grad_res, mhc_pre_mix_backward_op)
 
 
 def _sinkhorn_setup(ctx, inputs, output):
-    logits, repeat, eps = inputs
-    ctx.save_for_backward(logits)
-    ctx.args = (repeat, eps)
+    _sinkhorn_save(ctx, *inputs)
 
 
 def _sinkhorn_backward(ctx, grad):
-    logits, = ctx.saved_tensors
-    return sinkhorn_backward_op(logits, grad, *ctx.args).to(logits.dtype), None, None
+    return _sinkhorn_grads(ctx, grad, sinkhorn_backward_op)
 
 
 def _hc_post_mix_setup(ctx, inputs, output):
@@ -1150,9 +1414,7 @@ def _hc_post_mix_setup(ctx, inputs, output):
 
 
 def _hc_post_mix_backward(ctx, grad):
-    x, out, h_post, h_res = ctx.saved_tensors
-    g_x, g_out, g_post, g_res = hc_post_mix_backward_op(x, out, h_post, h_res, grad)
-    return g_x, g_out, _sum_to(g_post, h_post), _sum_to(g_res, h_res)  # a shared coefficient: summed over rows
+    return _hc_post_mix_grads(ctx, grad, hc_post_mix_backward_op)
 
 
 mhc_pre_mix_op.register_autograd(_mhc_pre_mix_backward, setup_context=_mhc_pre_mix_setup)
@@ -1160,214 +1422,12 @@ sinkhorn_op.register_autograd(_sinkhorn_backward, setup_context=_sinkhorn_setup)
 hc_post_mix_op.register_autograd(_hc_post_mix_backward, setup_context=_hc_post_mix_setup)
 
 
-# the references: the launchers' contracts in plain PyTorch
-
-
-def _hc_scale(scale, n):
-    """scale [3] spread over the n + n + n*n coefficients, fp32."""
-    s = upcast(scale)
-    return torch.cat((s[0].expand(n), s[1].expand(n), s[2].expand(n * n)))
-
-
-def _mhc_coefficients(x, proj, scale, base, norm_eps, pre_eps, post_mult):
-    """(xf, rstd [..., 1], mixes = proj * rstd [..., K], sigmoid(c[:n]), sigmoid(c[n:2n]), res logits [..., n, n])
-    in fp32 (fp64 stays fp64)."""
-    n = x.shape[-2]
-    xf = upcast(x)
-    rstd = torch.rsqrt(xf.square().mean((-2, -1)) + norm_eps).unsqueeze(-1)
-    mixes = upcast(proj) * rstd
-    c = mixes * _hc_scale(scale, n).to(mixes.dtype) + upcast(base)
-    return (xf, rstd, mixes, torch.sigmoid(c[..., :n]), torch.sigmoid(c[..., n:2 * n]),
-            c[..., 2 * n:].unflatten(-1, (n, n)))
-
-
-@mhc_pre_mix_op.register_kernel("cpu")
-def mhc_pre_mix_fwd_torch(x: Tensor, proj: Tensor, scale: Tensor, base: Tensor, norm_eps: float, pre_eps: float,
-                          post_mult: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(u [..., d] in x's dtype; h_post [..., n] fp32; res_logits [..., n, n] fp32)."""
-    with fp32_math(x):
-        xf, rstd, mixes, sig_pre, sig_post, res = _mhc_coefficients(x, proj, scale, base, norm_eps, pre_eps, post_mult)
-        u = ((sig_pre + pre_eps).unsqueeze(-1) * xf).sum(-2)
-        return cast(u, x.dtype), sig_post * post_mult, res.contiguous()
-
-
-@mhc_pre_mix_backward_op.register_kernel("cpu")
-def mhc_pre_mix_bwd_torch(x: Tensor, proj: Tensor, scale: Tensor, base: Tensor, grad_u: Tensor, grad_h_post: Tensor,
-                          grad_res: Tensor, norm_eps: float, pre_eps: float,
-                          post_mult: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(grad x, grad proj, grad scale [3], grad base [K]): the forward's steps back, last to first."""
-    with fp32_math(x):
-        n, d = x.shape[-2:]
-        xf, rstd, mixes, sig_pre, sig_post, res = _mhc_coefficients(x, proj, scale, base, norm_eps, pre_eps, post_mult)
-        gu = upcast(grad_u)
-        g_pre = (xf * gu.unsqueeze(-2)).sum(-1)  # through u = sum_m h_pre[m] X_m
-        g_c = torch.cat((g_pre * sig_pre * (1 - sig_pre),  # through the sigmoids
-                         upcast(grad_h_post) * post_mult * sig_post * (1 - sig_post),
-                         upcast(grad_res).flatten(-2)), dim=-1)
-        g_mixes = g_c * _hc_scale(scale, n).to(g_c.dtype)  # through c = mixes * scale + base
-        g_rstd = (g_mixes * upcast(proj)).sum(-1, keepdim=True)  # through mixes = proj * rstd
-        # through rstd = (mean(X^2) + eps)^-1/2: d rstd / d X = -rstd^3 X / (n d)
-        g_x = (sig_pre + pre_eps).unsqueeze(-1) * gu.unsqueeze(-2) - (g_rstd * rstd ** 3 / (n * d)).unsqueeze(-1) * xf
-        parts = (g_c * mixes).reshape(-1, g_c.shape[-1])
-        g_scale = torch.stack((parts[:, :n].sum(), parts[:, n:2 * n].sum(), parts[:, 2 * n:].sum()))
-        return (g_x.to(x.dtype), (g_mixes * rstd).to(proj.dtype), g_scale.to(scale.dtype),
-                g_c.reshape(-1, g_c.shape[-1]).sum(0).to(base.dtype))
-
-
-class MHCPreMixTorch(torch.autograd.Function):
-    """The reference with autograd (impl="torch"): saves x, proj, scale and base (x is the stream,
-    which the projection's matmul saves too), and recomputes the coefficients in the backward."""
-
-    @staticmethod
-    def forward(ctx, x, proj, scale, base, norm_eps, pre_eps, post_mult):
-        ctx.save_for_backward(x, proj, scale, base)
-        ctx.args = (norm_eps, pre_eps, post_mult)
-        return mhc_pre_mix_fwd_torch(x, proj, scale, base, *ctx.args)
-
-    @staticmethod
-    def backward(ctx, grad_u, grad_h_post, grad_res):
-        x, proj, scale, base = ctx.saved_tensors
-        grad_u = torch.zeros_like(x[..., 0, :]) if grad_u is None else grad_u
-        grad_h_post = x.new_zeros(x.shape[:-1], dtype=torch.float32) if grad_h_post is None else grad_h_post
-        grad_res = x.new_zeros(*x.shape[:-1], x.shape[-2], dtype=torch.float32) if grad_res is None else grad_res
-        return (*mhc_pre_mix_bwd_torch(x, proj, scale, base, grad_u, grad_h_post, grad_res, *ctx.args),
-                None, None, None)
-
-
-def mhc_pre_mix(x, proj, scale, base, norm_eps=1e-6, pre_eps=1e-6, post_mult=1.0, impl="auto"):
-    """mHC's coefficients and read for one sublayer. x [..., n, d] the streams; proj [..., n(n+2)] =
-    vec(x) phi^T (any float dtype); scale [3]; base [n(n+2)]. Returns (u [..., d] in x's dtype,
-    h_post [..., n] fp32, res_logits [..., n, n] fp32 for sinkhorn)."""
-    if use_triton(impl, x):
-        return mhc_pre_mix_op(x, proj, scale, base, norm_eps, pre_eps, post_mult)
-    return MHCPreMixTorch.apply(x, proj, scale, base, norm_eps, pre_eps, post_mult)
-
-
-def _sinkhorn_steps(logits, repeat, eps):
-    """The forward's iterates, computed on [n, n, M] (M: the rows): the matrix axes first, so that every
-    sum over an axis adds whole rows of tokens (several times faster on a CPU than sums over the last
-    axes), and the rows in one contiguous axis, so that each op is a single pass with one broadcast.
-    ([(z, denominator, axis), ...], each z before it is divided by its denominator, its sums over axis
-    (0: columns, 1: rows) plus eps; the output). fp32 (fp64 stays fp64). eps is one 0-d tensor: a Python
-    float is wrapped into a new tensor at every op, which costs more than the op at these sizes."""
-    n = logits.shape[-1]
-    z = torch.softmax(upcast(logits).reshape(-1, n, n).movedim(0, -1), dim=1)  # a contiguous [n, n, M]
-    eps = z.new_full((), eps)
-    z = z + eps
-    steps = []
-    for axis in (0,) + (1, 0) * (repeat - 1):
-        denom = z.sum(axis, keepdim=True).add_(eps)
-        steps.append((z, denom, axis))
-        z = z / denom
-    return steps, z
-
-
-def _sinkhorn_rows(h, like):
-    """An [n, n, M] iterate (or gradient) back as a contiguous tensor of like's shape [..., n, n] (a copy
-    made last: the autograd.Function returns it, see cast)."""
-    return h.view(*h.shape[:2], *like.shape[:-2]).movedim((0, 1), (-2, -1)).contiguous()
-
-
-@sinkhorn_op.register_kernel("cpu")
-def sinkhorn_fwd_torch(logits: Tensor, repeat: int, eps: float) -> Tensor:
-    """H [..., n, n] fp32, contiguous: columns sum to 1 (the last step), rows to 1 within the iterations' error."""
-    with fp32_math(logits):
-        return _sinkhorn_rows(_sinkhorn_steps(logits, repeat, eps)[1], logits)
-
-
-@sinkhorn_backward_op.register_kernel("cpu")
-def sinkhorn_bwd_torch(logits: Tensor, grad: Tensor, repeat: int, eps: float) -> Tensor:
-    """grad logits, fp32: the iterates (and their denominators) recomputed, then each step back, last to first."""
-    with fp32_math(logits):
-        steps, _ = _sinkhorn_steps(logits, repeat, eps)
-        n = logits.shape[-1]
-        g = upcast(grad).reshape(-1, n, n).movedim(0, -1).contiguous()
-        for z, denom, axis in reversed(steps):
-            # y = z / denom, denom = sum_axis z + eps: dz = (g - sum_axis(g z) / denom) / denom
-            g = torch.addcdiv(g, (g * z).sum(axis, keepdim=True), denom, value=-1).div_(denom)
-        p = steps[0][0] - eps  # the softmax
-        return _sinkhorn_rows(p * (g - (g * p).sum(1, keepdim=True)), logits)
-
-
-class SinkhornTorch(torch.autograd.Function):
-    """The reference with autograd (impl="torch"): saves the logits only, as the fused kernel does."""
-
-    @staticmethod
-    def forward(ctx, logits, repeat, eps):
-        ctx.save_for_backward(logits)
-        ctx.args = (repeat, eps)
-        return sinkhorn_fwd_torch(logits, repeat, eps)
-
-    @staticmethod
-    def backward(ctx, grad):
-        logits, = ctx.saved_tensors
-        return sinkhorn_bwd_torch(logits, grad, *ctx.args).to(logits.dtype), None, None
-
-
-def sinkhorn(logits, repeat=10, eps=1e-6, impl="auto"):
-    """Sinkhorn-Knopp as in mHC's official code: logits [..., n, n] -> H [..., n, n] fp32, near
-    doubly stochastic (columns exact, rows within the iterations' error), whatever the autocast."""
-    if use_triton(impl, logits):
-        return sinkhorn_op(logits, repeat, eps)
-    return SinkhornTorch.apply(logits, repeat, eps)
-
-
-@hc_post_mix_op.register_kernel("cpu")
-def hc_post_mix_fwd_torch(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor) -> Tensor:
-    """X' [..., n, d] in x's dtype: X'_j = sum_m h_res[m, j] X_m + h_post[j] out, in fp32. The inputs are
-    detached: torch.matmul broadcasts a shared h_res by another path (another summation order) when an
-    input requires grad, and the op must give one result, eager or compiled."""
-    x, out, h_post, h_res = (t.detach() for t in (x, out, h_post, h_res))
-    with fp32_math(x):
-        xf = upcast(x)
-        mixed = torch.matmul(upcast(h_res).transpose(-1, -2), xf)
-        return cast(torch.addcmul(mixed, upcast(h_post).unsqueeze(-1), upcast(out).unsqueeze(-2)), x.dtype)
-
-
-@hc_post_mix_backward_op.register_kernel("cpu")
-def hc_post_mix_bwd_torch(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor,
-                          grad: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(grad x, grad out, grad h_post [..., n] fp32, grad h_res [..., n, n] fp32), per row (inputs detached,
-    as the forward's)."""
-    x, out, h_post, h_res, grad = (t.detach() for t in (x, out, h_post, h_res, grad))
-    with fp32_math(x):
-        g, xf, of = upcast(grad), upcast(x), upcast(out)
-        g_x = torch.matmul(upcast(h_res), g)  # dX_m = sum_j h_res[m, j] dX'_j
-        g_out = torch.matmul(upcast(h_post).unsqueeze(-2), g).squeeze(-2)  # sum_j h_post[j] dX'_j
-        g_h_res = torch.matmul(xf, g.transpose(-1, -2))  # <X_m, dX'_j>
-        g_h_post = torch.matmul(g, of.unsqueeze(-1)).squeeze(-1)  # <dX'_j, out>
-        return g_x.to(x.dtype), g_out.to(out.dtype), g_h_post, g_h_res
-
-
-def _sum_to(g, t):
-    """A per-row gradient g summed to the shape of t (a coefficient shared by rows), in t's dtype."""
-    return g.sum_to_size(t.shape).to(t.dtype)
-
-
-class HCPostMixTorch(torch.autograd.Function):
-    """The reference with autograd (impl="torch"): saves x, out and the coefficients."""
-
-    @staticmethod
-    def forward(ctx, x, out, h_post, h_res):
-        ctx.save_for_backward(x, out, h_post, h_res)
-        return hc_post_mix_fwd_torch(x, out, h_post, h_res)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, out, h_post, h_res = ctx.saved_tensors
-        n = x.shape[-2]
-        g_x, g_out, g_post, g_res = hc_post_mix_bwd_torch(
-            x, out, h_post.expand(*x.shape[:-2], n), h_res.expand(*x.shape[:-2], n, n), grad)
-        return g_x, g_out, _sum_to(g_post, h_post), _sum_to(g_res, h_res)
-
-
-def hc_post_mix(x, out, h_post, h_res, impl="auto"):
-    """The hyper-connection write: X'_j = sum_m h_res[m, j] X_m + h_post[j] out. x [..., n, d];
-    out [..., d]; h_post [..., n] and h_res [..., n, n], per row or shared (broadcast). Returns X' in
-    x's dtype."""
-    if use_triton(impl, x):
-        return hc_post_mix_op(x, out, h_post, h_res)
-    return HCPostMixTorch.apply(x, out, h_post, h_res)
+mhc_pre_mix_op.register_kernel("cpu", mhc_pre_mix_fwd_torch)
+mhc_pre_mix_backward_op.register_kernel("cpu", mhc_pre_mix_bwd_torch)
+sinkhorn_op.register_kernel("cpu", sinkhorn_fwd_torch)
+sinkhorn_backward_op.register_kernel("cpu", sinkhorn_bwd_torch)
+hc_post_mix_op.register_kernel("cpu", hc_post_mix_fwd_torch)
+hc_post_mix_backward_op.register_kernel("cpu", hc_post_mix_bwd_torch)
 
 
 # -----------------------------------------------------------------------------
@@ -1379,6 +1439,95 @@ def hc_post_mix(x, out, h_post, h_res, impl="auto"):
 # copy) and saves only the sources (alive anyway, the stream's earlier outputs) and the weights: no
 # product per source. Bytes moved per token, b per stored element: forward S d b read, C d b written;
 # backward (S + C) d b read, S d b written, plus the weights.
+
+def dense_mix(sources, weights, impl="auto"):
+    """The weighted sum of S sources (a list of S >= 1 tensors [..., d] of one shape and dtype, or one
+    stacked [S, ..., d]): weights [S] -> out [..., d] = sum_s w[s] x_s (one weight per source: DenseFormer's
+    DWA); weights [..., C, S] -> out [..., C, d], out_c = sum_s w[c, s] x_s (per token and way: MUDDFormer).
+    fp32 inside; out in the sources' dtype."""
+    sources = _source_list(sources, "dense_mix")
+    S, v = len(sources), sources[0]
+    if weights.shape[-1] != S or (weights.dim() > 1 and weights.shape[:-2] != v.shape[:-1]):
+        raise ValueError(f"dense_mix: weights must be [{S}] or [..., C, {S}] with ... = {tuple(v.shape[:-1])}, "
+                         f"got {tuple(weights.shape)}")
+    if use_triton(impl, v):
+        return dense_mix_op(sources, weights)
+    if not torch.is_grad_enabled():
+        return dense_mix_fwd_torch(sources, weights)
+    return DenseMixTorch.apply(weights, *sources)
+
+
+# the reference. Shared weights: one pass over each source, in one fp32 buffer (an addcmul per source).
+# Per-token weights: batched matmuls over a stack of the sources made and freed inside the call. Either way
+# autograd saves the sources and the weights only.
+
+def _stacked(sources):
+    """The sources as one fp32 [..., S, d] (a copy, for one matmul; never saved)."""
+    return torch.stack([upcast(v) for v in sources], -2)
+
+
+def dense_mix_fwd_torch(sources: list[Tensor], weights: Tensor) -> Tensor:
+    """out [..., d] (weights [S]) or [..., C, d] (weights [..., C, S]) in the sources' dtype, fp32 inside."""
+    x0 = sources[0]
+    with fp32_math(x0):
+        w = upcast(weights)
+        if w.dim() > 1:  # per token: a batched matmul over a transient stack of the sources (freed at once,
+            # never saved): on a CPU 2x faster than an addcmul per source, whose [..., C, d] products are tiny
+            return cast(torch.matmul(w, _stacked(sources)), x0.dtype)
+        out = upcast(x0) * w[0]
+        for s in range(1, len(sources)):
+            w_s = w[s]
+            if s < len(sources) - 1:
+                torch.addcmul(out, sources[s], w_s, out=out)  # in place: one buffer for the whole sum
+            else:  # the last not in place: DenseMixTorch returns it (see cast)
+                out = torch.addcmul(out, sources[s], w_s)
+        return cast(out, x0.dtype)
+
+
+def _dense_mix_grads(sources, weights, grad, copy):
+    """dense_mix_bwd_torch's results; copy=False: the per-token case's source gradients may be views of one
+    [..., S, d]."""
+    with fp32_math(grad):
+        g, w = upcast(grad), upcast(weights)
+        if weights.dim() == 1:  # dx_s = w[s] g; dw[s] = <g, x_s> over all tokens
+            grads = [(g * w[s]).to(v.dtype) for s, v in enumerate(sources)]
+            gw = torch.stack([torch.dot(g.reshape(-1), upcast(v).reshape(-1)) for v in sources])
+        else:  # batched matmuls: dx_s = sum_c w[c, s] g_c for all s; dw[c, s] = <g_c, x_s> (a transient stack)
+            dx = torch.matmul(w.transpose(-1, -2), g)  # [..., S, d]
+            grads = [t.to(v.dtype, copy=copy) for t, v in zip(dx.unbind(-2), sources)]
+            gw = torch.matmul(g, _stacked(sources).transpose(-1, -2))
+        return grads, gw.to(weights.dtype)
+
+
+def dense_mix_bwd_torch(sources: list[Tensor], weights: Tensor, grad: Tensor) -> tuple[list[Tensor], Tensor]:
+    """(a gradient per source in its dtype, grad weights in the weights' dtype). An op's outputs may not
+    alias: the per-token case's views are copied here (DenseMixTorch takes the views)."""
+    return _dense_mix_grads(sources, weights, grad, copy=True)
+
+
+def _dense_mix_grads_of(ctx, grad, backward):
+    """The autograd glue of both paths (DenseMixTorch, and the Triton op's register_autograd, which both save
+    the weights and the sources as they are): (a gradient per source, grad weights) by `backward`, the
+    reference's or the op's."""
+    weights, *sources = ctx.saved_tensors
+    return backward(sources, weights, grad)
+
+
+class DenseMixTorch(torch.autograd.Function):
+    """The reference with autograd (impl="torch"): saves the weights and the sources as they are (passed
+    one by one: no stacked copy, a gradient each)."""
+
+    @staticmethod
+    def forward(ctx, weights, *sources):
+        ctx.save_for_backward(weights, *sources)
+        return dense_mix_fwd_torch(list(sources), weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grads, gw = _dense_mix_grads_of(ctx, grad, lambda sources, weights, grad: _dense_mix_grads(
+            sources, weights, grad, copy=False))  # autograd takes the views: no copy
+        return gw, *grads
+
 
 if triton is not None:
 
@@ -1481,91 +1630,11 @@ def _dense_mix_setup(ctx, inputs, output):
 
 
 def _dense_mix_backward(ctx, grad):
-    weights, *sources = ctx.saved_tensors
-    return dense_mix_backward_op(sources, weights, grad)
+    return _dense_mix_grads_of(ctx, grad, dense_mix_backward_op)
 
 
 dense_mix_op.register_autograd(_dense_mix_backward, setup_context=_dense_mix_setup)
 
 
-# the reference. Shared weights: one pass over each source, in one fp32 buffer (an addcmul per source).
-# Per-token weights: batched matmuls over a stack of the sources made and freed inside the call. Either way
-# autograd saves the sources and the weights only.
-
-def _stacked(sources):
-    """The sources as one fp32 [..., S, d] (a copy, for one matmul; never saved)."""
-    return torch.stack([upcast(v) for v in sources], -2)
-
-
-@dense_mix_op.register_kernel("cpu")
-def dense_mix_fwd_torch(sources: list[Tensor], weights: Tensor) -> Tensor:
-    """out [..., d] (weights [S]) or [..., C, d] (weights [..., C, S]) in the sources' dtype, fp32 inside."""
-    x0 = sources[0]
-    with fp32_math(x0):
-        w = upcast(weights)
-        if w.dim() > 1:  # per token: a batched matmul over a transient stack of the sources (freed at once,
-            # never saved): on a CPU 2x faster than an addcmul per source, whose [..., C, d] products are tiny
-            return cast(torch.matmul(w, _stacked(sources)), x0.dtype)
-        out = upcast(x0) * w[0]
-        for s in range(1, len(sources)):
-            w_s = w[s]
-            if s < len(sources) - 1:
-                torch.addcmul(out, sources[s], w_s, out=out)  # in place: one buffer for the whole sum
-            else:  # the last not in place: DenseMixTorch returns it (see cast)
-                out = torch.addcmul(out, sources[s], w_s)
-        return cast(out, x0.dtype)
-
-
-def _dense_mix_grads(sources, weights, grad, copy):
-    """dense_mix_bwd_torch's results; copy=False: the per-token case's source gradients may be views of one
-    [..., S, d]."""
-    with fp32_math(grad):
-        g, w = upcast(grad), upcast(weights)
-        if weights.dim() == 1:  # dx_s = w[s] g; dw[s] = <g, x_s> over all tokens
-            grads = [(g * w[s]).to(v.dtype) for s, v in enumerate(sources)]
-            gw = torch.stack([torch.dot(g.reshape(-1), upcast(v).reshape(-1)) for v in sources])
-        else:  # batched matmuls: dx_s = sum_c w[c, s] g_c for all s; dw[c, s] = <g_c, x_s> (a transient stack)
-            dx = torch.matmul(w.transpose(-1, -2), g)  # [..., S, d]
-            grads = [t.to(v.dtype, copy=copy) for t, v in zip(dx.unbind(-2), sources)]
-            gw = torch.matmul(g, _stacked(sources).transpose(-1, -2))
-        return grads, gw.to(weights.dtype)
-
-
-@dense_mix_backward_op.register_kernel("cpu")
-def dense_mix_bwd_torch(sources: list[Tensor], weights: Tensor, grad: Tensor) -> tuple[list[Tensor], Tensor]:
-    """(a gradient per source in its dtype, grad weights in the weights' dtype). An op's outputs may not
-    alias: the per-token case's views are copied here (DenseMixTorch takes the views)."""
-    return _dense_mix_grads(sources, weights, grad, copy=True)
-
-
-class DenseMixTorch(torch.autograd.Function):
-    """The reference with autograd (impl="torch"): saves the weights and the sources as they are (passed
-    one by one: no stacked copy, a gradient each)."""
-
-    @staticmethod
-    def forward(ctx, weights, *sources):
-        ctx.save_for_backward(weights, *sources)
-        return dense_mix_fwd_torch(list(sources), weights)
-
-    @staticmethod
-    def backward(ctx, grad):
-        weights, *sources = ctx.saved_tensors
-        grads, gw = _dense_mix_grads(sources, weights, grad, copy=False)
-        return gw, *grads
-
-
-def dense_mix(sources, weights, impl="auto"):
-    """The weighted sum of S sources (a list of S >= 1 tensors [..., d] of one shape and dtype, or one
-    stacked [S, ..., d]): weights [S] -> out [..., d] = sum_s w[s] x_s (one weight per source: DenseFormer's
-    DWA); weights [..., C, S] -> out [..., C, d], out_c = sum_s w[c, s] x_s (per token and way: MUDDFormer).
-    fp32 inside; out in the sources' dtype."""
-    sources = _source_list(sources, "dense_mix")
-    S, v = len(sources), sources[0]
-    if weights.shape[-1] != S or (weights.dim() > 1 and weights.shape[:-2] != v.shape[:-1]):
-        raise ValueError(f"dense_mix: weights must be [{S}] or [..., C, {S}] with ... = {tuple(v.shape[:-1])}, "
-                         f"got {tuple(weights.shape)}")
-    if use_triton(impl, v):
-        return dense_mix_op(sources, weights)
-    if not torch.is_grad_enabled():
-        return dense_mix_fwd_torch(sources, weights)
-    return DenseMixTorch.apply(weights, *sources)
+dense_mix_op.register_kernel("cpu", dense_mix_fwd_torch)
+dense_mix_backward_op.register_kernel("cpu", dense_mix_bwd_torch)
