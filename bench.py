@@ -20,8 +20,8 @@ written once) divided by the time. On a GPU compare it with the copy bandwidth p
 Every figure is a median over --reps repeats; when the repeats of a measurement spread by more than
 half their median, or a forward takes 1.5x its forward+backward, a last line warns that the
 machine is loaded and the figures are unreliable.
-model: one training step (forward, backward, AdamW) per mode, and per option of VARIANTS (mhc-lite,
-norm_scaling, value_residual), at the GPT-2 124M shape on a GPU
+model: one training step (forward, backward, AdamW) per mode, and per option of model.py's VARIANTS
+(norm_scaling, value_residual, mhc-lite, DenseFormer's dilation and period, mudd's 1 way), at the GPT-2 124M shape on a GPU
 (12 layers, 768 wide, 12 heads, T = 1024, bf16, compiled), or at the quickstart shape on a CPU.
 mod: a training step of nag (mod=nag) and prenorm (mod=router) at mod_rate 0, 0.25 and 0.5, at the
 124M shape on a GPU or an 8-layer quickstart-width model on a CPU; the ratio to mod_rate 0 is the saving.
@@ -89,7 +89,7 @@ if not torch.cuda.is_available():  # the gpu section's dry run runs the kernels 
 import kernels  # noqa: E402
 import flops  # noqa: E402
 from configurator import ConfigError, configure  # noqa: E402
-from model import GPT, GPTConfig, RESIDUALS  # noqa: E402
+from model import GPT, GPTConfig, RESIDUALS, VARIANTS  # noqa: E402
 import run_config  # noqa: E402
 from run_config import REPO, pick_device  # noqa: E402
 
@@ -382,11 +382,6 @@ def step_shape(title, device, dtype, use_compile, batch_size, cpu_layers, layers
     return shape, B
 
 
-VARIANTS = {  # options timed and checked beside the modes (model and gpu sections)
-    "mhc (mhc_res=birkhoff)": dict(residual="mhc", mhc_res="birkhoff"),
-    "prenorm (norm_scaling)": dict(residual="prenorm", norm_scaling=True),
-    "prenorm (value_residual=learned)": dict(residual="prenorm", value_residual="learned"),
-}
 
 
 def bench_model(device, dtype, use_compile, reps, batch_size, layers=0, optimizer="adamw"):
@@ -763,15 +758,15 @@ def sample_model(out_dir, device, layers=8, width=128):
 
 def time_generate(model, tokens, device, dtype):
     """Seconds of one generate() of `tokens` tokens after a one-token prompt, batch 1, with the KV
-    cache (it leaves model.generate_stats)."""
+    cache, and generate()'s stats (the tokens that ran each sublayer)."""
     torch.manual_seed(1)
     prompt = torch.zeros((1, 1), dtype=torch.long, device=device)
     t0 = time.perf_counter()
     with torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
-        model.generate(prompt, tokens, kv_cache=True)
+        _, stats = model.generate(prompt, tokens, kv_cache=True, stats=True)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, stats
 
 
 def bench_sample(device, dtype, out_dir, tokens, pairs, layers=0, width=128):
@@ -787,8 +782,8 @@ def bench_sample(device, dtype, out_dir, tokens, pairs, layers=0, width=128):
     for _ in range(pairs):
         for name, t in variants.items():
             model.mod.tau.copy_(t)
-            times[name].append(time_generate(model, tokens, device, dtype))
-            stats = model.generate_stats
+            seconds, stats = time_generate(model, tokens, device, dtype)
+            times[name].append(seconds)
             skipped[name].append(1 - sum(stats["executed"]) / (len(stats["executed"]) * stats["tokens"]))
     model.mod.tau.copy_(tau)
     t = {name: statistics.median(v) for name, v in times.items()}
@@ -825,7 +820,7 @@ GPU_SHAPES = dict(  # on a GPU
 )
 DRY_SHAPES = dict(  # --dry_run=True: tiny, for a CPU and Triton's interpreter (one Python program per row)
     checks=[(5, 24)],
-    check_model=dict(n_layer=1, n_head=2, n_embd=24, block_size=4, vocab_size=65), check_batch=1,
+    check_model=dict(n_layer=2, n_head=2, n_embd=24, block_size=4, vocab_size=65), check_batch=1,  # 2: dwa's dilation 2
     sinkhorn_repeat=3,  # the interpreter runs each iteration in Python
     bandwidth=(64, 32), copy_bytes=2 ** 20,
     steps=dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=65), batch=2,

@@ -3,9 +3,9 @@ FLOP accounting, MFU and iso-FLOP sweeps (README: "FLOPs and iso-FLOP sweeps").
 
     python flops.py config/shakespeare_char_cpu.py --n_layer=8 --budget=3e15   # breakdown; what a budget buys
     python flops.py sweep config/sweep_shakespeare_cpu.py                     # train.py runs at one budget
-    python flops.py results docs/sweep_mod_cpu.csv                            # a sweep's tables again, from its CSV
+    python flops.py results results/sweep_mod_cpu.csv                            # a sweep's tables again, from its CSV
     python flops.py multiplier out/<sweep>/results.csv                        # compute multipliers of a budgets sweep
-    python flops.py optimizers docs/sweep_muon_cpu_5e12.csv docs/...csv      # AdamW against Muon, design by design
+    python flops.py optimizers results/sweep_muon_cpu_5e12.csv results/...csv      # AdamW against Muon, design by design
 
 Convention. FLOPs count a multiply-add as 2 and are per token of the training sequence (T = block_size):
 - attention sublayer: 2*4*d^2 (q, k, v and output projections) + 2*2*T*d (scores QK^T and the
@@ -27,7 +27,7 @@ Convention. FLOPs count a multiply-add as 2 and are per token of the training se
   every token. Without a measured exec_frac, each MoD mode's planned_fractions(config) count: for
   mod=nag and mod=router the training capacity k / T (top-k: exactly what training runs) of every
   routed sublayer and 1 for the others; skip_middle has no fixed capacity (its gates decide), so it
-  counts 1 (dense, an upper bound) unless given the measured GPT.executed_fraction(), which is what
+  counts 1 (dense, an upper bound) unless given the measured fraction (model.py's executed_fraction), which is what
   train.py logs its cumulative FLOPs from.
   (Eval routing by thresholds keeps a different number of tokens per row; a batch is padded to the
   row that keeps most, and that padding is computed but not counted: executed fractions count
@@ -93,8 +93,8 @@ def counted_dense(config):
 
 def forward_flops(config, exec_frac=None):
     """Forward FLOPs per token by component (dict, see the module docstring for the convention).
-    exec_frac: the executed fraction of each of the 2L sublayers (MoD), e.g. GPT.executed_fraction();
-    default: the MoD mode's planned_fractions (nag, router: the training capacity of the routed sublayers)."""
+    exec_frac: the executed fraction of each of the 2L sublayers (MoD), e.g. model.py's executed_fraction
+    of a forward's counts; default: the MoD mode's planned_fractions (nag, router: the training capacity of the routed sublayers)."""
     d, T, n = config.n_embd, config.block_size, config.n_sublayers
     if exec_frac is None:
         f = MODS[config.mod].planned_fractions(config) if MODS[config.mod] else [1.0] * n
@@ -706,7 +706,7 @@ def significance_lines(cells, baseline=None, adjust="holm"):
         return lines + ["", f"No comparison: every cell is the only one of its depth ({', '.join(map(str, depths))} "
                             f"layers), so each is its own baseline. Read this CSV together with the CSV of the cells "
                             f"to compare with (several are read as one sweep), e.g. python flops.py results "
-                            f"docs/sweep_shakespeare_cpu.csv docs/sweep_shakespeare_mhc_cpu.csv, or name a baseline "
+                            f"results/sweep_shakespeare_cpu.csv results/sweep_shakespeare_mhc_cpu.csv, or name a baseline "
                             f"cell (--baseline=CELL; a sweep config's baseline)."]
     rows, m = stats.family_cells([(losses[cell], losses[base]) for cell, base in pairs.items()], adjust)
     lines[-1] += " " + stats.family_sentence(m, adjust) + "."
@@ -781,13 +781,13 @@ RESULTS_DEFAULTS = dict(
 
 
 def read_results(path):
-    """The rows of a sweep's results.csv (or a copy of it, as in docs/), typed as write_results made them."""
+    """The rows of a sweep's results.csv (or a copy of it, as in results/), typed as write_results made them."""
     if not os.path.isfile(path):
-        raise ConfigError(f"no results file {path}: pass a sweep's results.csv (e.g. docs/sweep_mod_cpu.csv)")
+        raise ConfigError(f"no results file {path}: pass a sweep's results.csv (e.g. results/sweep_mod_cpu.csv)")
     ints = {"seed", "n_layer", "iters", "tokens", "params"}
     text = {"run", "cell", "residual", "mod", "args", "status", "device", "optimizer"}
     not_results = (f"{path} is not a sweep's results.csv (its header has no run, cell, seed and val_loss columns, "
-                   f"or a row does not parse): pass out/<sweep>/results.csv or a copy in docs/")
+                   f"or a row does not parse): pass out/<sweep>/results.csv or a copy in results/")
     try:
         with open(path, newline="") as f:
             reader = csv.DictReader(f)
@@ -797,7 +797,7 @@ def read_results(path):
             if missing:
                 raise ConfigError(f"{path} is not a sweep's results.csv (it has no {', '.join(missing)} column"
                                   f"{'s' if len(missing) > 1 else ''}, which flops.py sweep writes): pass "
-                                  f"out/<sweep>/results.csv or a copy in docs/")
+                                  f"out/<sweep>/results.csv or a copy in results/")
             rows = [{k: (v if k in text else None if v in ("", None) else int(v) if k in ints else float(v))
                      for k, v in r.items() if k is not None} for r in reader]
     except ConfigError:
@@ -826,7 +826,7 @@ def results(argv):
     cell run later (a sweep of its own) is tested against the cells of an earlier one."""
     files, cfg, rows = csv_verb(argv, "results", RESULTS_DEFAULTS, "RESULTS_DEFAULTS",
                                 "a sweep's tables again, from one or more results.csv (read as one sweep)",
-                                "results.csv", "docs/sweep_mod_cpu.csv")
+                                "results.csv", "results/sweep_mod_cpu.csv")
     check_adjust(cfg["adjust"])
     runs = collections.Counter((r["cell"], r["seed"]) for r in rows if r["seed"] is not None and r["status"] == "done")
     twice = sorted(k for k, n in runs.items() if n > 1)
@@ -1016,7 +1016,7 @@ MULTIPLIER_DEFAULTS = dict(
     baseline=None,  # the cell each cell is measured against; None: its depth's prenorm cell, else its first
     step_times="",  # bench.py --section=steps's CSVs, one per bench run, comma-separated: adds the throughput-
     #                 adjusted multiplier on their device (3 runs or more: the drift between runs is in its interval)
-    out=None,  # the figure; None: <first csv without .csv>_multiplier.png beside it, or in out/ for a CSV in docs/;
+    out=None,  # the figure; None: <first csv without .csv>_multiplier.png beside it, or in out/ for a CSV in results/;
     #            with depths, the frontier figure beside it (_frontier.png)
     val_bin="",  # the val split the runs evaluated on (data/<dataset>/val.bin): the lowest loss a 0-layer model can
     #              reach on its tokens bounds the depth grid's shallow end, so a best depth of 1 below it is bracketed
@@ -1027,8 +1027,8 @@ def multiplier(argv):
     """python flops.py multiplier out/<sweep>/results.csv ... [--baseline=CELL] [--step_times=CSV]: each
     cell's compute multiplier against its baseline at equal FLOPs (multiplier.py), by budget, overall and
     by depth, the compute-optimal frontier, and with step times the throughput-adjusted figure; printed,
-    and the figure beside the first CSV, or --out. A CSV in docs/ is a committed result: its figure goes to
-    out/ unless --out names where (docs/ keeps the one committed)."""
+    and the figure beside the first CSV, or --out. A CSV in results/ is a committed result: its figure goes to
+    out/ unless --out names where (results/ keeps the one committed)."""
     import multiplier as mult
     files, cfg, rows = csv_verb(argv, "multiplier", MULTIPLIER_DEFAULTS, "MULTIPLIER_DEFAULTS",
                                 "compute multipliers from a budget sweep's results.csv (a sweep config with "
@@ -1051,8 +1051,8 @@ def multiplier(argv):
         floor = mult.bigram_floor(cfg["val_bin"], tokens.pop())
     text, results = mult.report(rows, pairs, cfg["step_times"], floor)
     name = os.path.splitext(files[0])[0] + "_multiplier.png"
-    in_docs = os.path.dirname(os.path.abspath(files[0])) == os.path.join(HERE, "docs")
-    path = cfg["out"] or (os.path.join(HERE, "out", os.path.basename(name)) if in_docs else name)
+    committed = os.path.dirname(os.path.abspath(files[0])) == os.path.join(HERE, "results")
+    path = cfg["out"] or (os.path.join(HERE, "out", os.path.basename(name)) if committed else name)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     mult.plot(rows, results, path)
     text += f"\nfigure: {path}\n"
@@ -1155,7 +1155,7 @@ def optimizers_table(rows, baseline="prenorm", adjust="bh"):
     if not tables:
         raise ConfigError(f"no depth and budget with {baseline} under both AdamW and Muon in these CSVs: pass the "
                           f"AdamW sweeps' CSVs and the Muon sweep's together (e.g. python flops.py optimizers "
-                          f"docs/sweep_muon_cpu_5e12.csv docs/sweep_multiplier_cpu.csv)")
+                          f"results/sweep_muon_cpu_5e12.csv results/sweep_multiplier_cpu.csv)")
     tests = {}  # (family, table index, design): compare()'s dict or None
     for i, (L, budget, muon, designs) in enumerate(tables):
         get = lambda o, d: losses[(o if o == "adamw" else muon, d, L, budget)]  # noqa: E731
@@ -1302,7 +1302,7 @@ def optimizers(argv):
     files, cfg, rows = csv_verb(argv, "optimizers", OPTIMIZERS_DEFAULTS, "OPTIMIZERS_DEFAULTS",
                                 "AdamW against Muon: each design's gain over prenorm under both, from results.csv "
                                 "files of both optimizers' sweeps", "results.csv files",
-                                "docs/sweep_muon_cpu_5e12.csv docs/sweep_multiplier_cpu.csv")
+                                "results/sweep_muon_cpu_5e12.csv results/sweep_multiplier_cpu.csv")
     check_adjust(cfg["adjust"])
     text = optimizers_table(rows, cfg["baseline"], cfg["adjust"])
     if cfg["lr_check"]:

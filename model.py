@@ -1,20 +1,21 @@
 """
 nanodepth: one GPT whose residual stream is switchable.
 
-Read top to bottom. The first part is a complete GPT with the default residual mode, prenorm: the
-config, the backbone (RMSNorm, RoPE, attention, MLP), the residual seam and PreNorm, then GPT. A
-reader of the default model can stop there. Then come the other residual modes (each one class that
-carries everything about itself: its options, the MoD modes it works with, the FLOPs it adds, the fused
-ops it uses, its state: a tensor or a NamedTuple of its own), Mixture-of-Depths, a look inside (diagnose,
-routing), and generation (sample, KV caches, what attention sees under MoD). optim.py puts each parameter
-in its optimizer's group from the modes' declarations. README.md's "The residual modes" and
-"Mixture-of-Depths" say what each mode is for.
+Read top to bottom: each name is defined before it is used. The first part is a complete GPT with the
+default residual mode, prenorm: the backbone (RMSNorm, RoPE, attention, MLP, and what attention sees
+beyond causality: KV caches and MoD's key biases), the residual seam and PreNorm, the config (every
+mode's options written out), then GPT with its one sublayer loop and generation. A reader of the default
+model can stop there. Then come the other residual modes (each one class that carries everything about
+itself: the options it owns, the MoD modes it works with, the FLOPs it adds, the fused ops it uses, its
+state: a tensor or a NamedTuple of its own, and its registry line), Mixture-of-Depths, and a look
+inside (diagnose, routing). optim.py puts each parameter in its optimizer's group from the modes'
+declarations. README.md's "The residual modes" and "Mixture-of-Depths" say what each mode is for.
 """
 
 import itertools
 import math
-from dataclasses import dataclass, field, make_dataclass
-from typing import Any, NamedTuple, Optional
+from dataclasses import dataclass, field, fields
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,51 +24,6 @@ import torch.nn.functional as F
 
 import optim
 from kernels import IMPLS, dense_mix, depth_attention, fp32_math, hc_post_mix, mhc_pre_mix, nag_update, rms_norm, sinkhorn, upcast
-
-
-@dataclass
-class GPTConfig:
-    """The backbone's shape and the two mode switches. Each residual mode and MoD mode declares its
-    own options (its class's `options`), and they are fields of GPTConfig too (see the end of this
-    file): GPTConfig(residual="nag", nag_head="sqrt_d") and --nag_head=sqrt_d both work."""
-    block_size: int = 1024  # context length T: tokens per training sequence, and the most a sample attends to
-    vocab_size: int = 50257  # real vocab; see padded_vocab_size for the embedding and head rows
-    n_layer: int = 12  # transformer blocks L: 2L sublayers (attention, MLP)
-    n_head: int = 12  # attention heads; n_embd / n_head must be even (RoPE)
-    n_embd: int = 768  # width d of the residual stream
-    dropout: float = 0.0  # in training only (a run setting: resume may change it)
-    residual: str = "prenorm"  # the residual mode: a name in RESIDUALS (--help lists them)
-    mod: str = "none"  # Mixture-of-Depths: a name in MODS (--help lists them)
-    mod_rate: float = 0.0  # target fraction of (token, sublayer) pairs that skip the sublayer
-    kernels: str = "auto"  # auto (Triton on CUDA tensors) | triton | torch: see kernels.py
-    value_residual: str = "none"  # none | half: v <- (v + v_1)/2 after the first attention (ResFormer) | learned: (1-lam) v + lam v_1, lam 0.5 at init
-
-    def __post_init__(self):
-        # one-line errors that name the fix; called again by GPT() after any field edits
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.n_embd % self.n_head != 0:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if (self.n_embd // self.n_head) % 2 != 0:
-            raise ValueError(f"head size n_embd/n_head = {self.n_embd // self.n_head} must be even for RoPE")
-        if self.kernels not in IMPLS:
-            raise ValueError(f"unknown kernels '{self.kernels}'; valid: {', '.join(IMPLS)}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        check_modes(self)  # mod_rate, value_residual, the modes and their options (end of file)
-
-    @property
-    def n_sublayers(self):
-        return 2 * self.n_layer
-
-    @property
-    def padded_vocab_size(self):
-        """The rows of the embedding and the head: a multiple of 64 (faster matmuls on a GPU) when that
-        adds at most 1/64 more rows (gpt2: 50257 -> 50304); a small vocab stays as is (65 characters:
-        padding to 128 would double the head's work)."""
-        padded = -(-self.vocab_size // 64) * 64
-        return padded if 64 * (padded - self.vocab_size) <= self.vocab_size else self.vocab_size
 
 
 # -----------------------------------------------------------------------------
@@ -88,17 +44,6 @@ def rope_table(head_dim, max_len, base=10000.0):
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
     return torch.stack((angles.cos(), angles.sin()), dim=-1)
-
-
-def apply_rope(x, rope):
-    """Rotate consecutive feature pairs of x [B, T, ..., hd] by rope, the table rows of the tokens'
-    own positions: [T, hd/2, 2], or [B, T, hd/2, 2] when each row has its own positions (a MoD
-    compressed sequence). Eager: one complex multiply (RotateComplex), several times cheaper on CPU
-    than the real form. Compiled: the real form, because inductor has no code generation for complex ops."""
-    rope = rope.view(*rope.shape[:-2], *([1] * (x.dim() - 3)), *rope.shape[-2:])
-    if torch.compiler.is_compiling():
-        return _rotate_real(x.float().reshape(*x.shape[:-1], -1, 2), rope).flatten(-2).type_as(x)
-    return RotateComplex.apply(x, rope)
 
 
 def _rotate_real(pairs, rope):
@@ -126,6 +71,17 @@ class RotateComplex(torch.autograd.Function):
         if pairs.stride(-1) != 1 or pairs.storage_offset() % 2 or any(s % 2 for s in pairs.stride()[:-1]):
             pairs = pairs.contiguous()  # else q and k are viewed where c_attn wrote them: no copy
         return torch.view_as_real(torch.view_as_complex(pairs) * (c.conj() if conj else c)).flatten(-2).type_as(x)
+
+
+def apply_rope(x, rope):
+    """Rotate consecutive feature pairs of x [B, T, ..., hd] by rope, the table rows of the tokens'
+    own positions: [T, hd/2, 2], or [B, T, hd/2, 2] when each row has its own positions (a MoD
+    compressed sequence). Eager: one complex multiply (RotateComplex), several times cheaper on CPU
+    than the real form. Compiled: the real form, because inductor has no code generation for complex ops."""
+    rope = rope.view(*rope.shape[:-2], *([1] * (x.dim() - 3)), *rope.shape[-2:])
+    if torch.compiler.is_compiling():
+        return _rotate_real(x.float().reshape(*x.shape[:-1], -1, 2), rope).flatten(-2).type_as(x)
+    return RotateComplex.apply(x, rope)
 
 
 VALUE_RESIDUALS = ("none", "half", "learned")
@@ -190,6 +146,88 @@ class MLP(nn.Module):
 
 
 # -----------------------------------------------------------------------------
+# what attention sees beyond causality: a KV cache (generation), and the biases MoD puts on keys and queries
+
+GATE_FLOOR = 1e-6  # the smallest gate a bias stands for: skip_middle's bias is log(clamp(g, GATE_FLOOR, 1)), -inf at g = 0
+
+
+def attention_mask(bias, t, query_bias=None):
+    """Additive mask [B, 1, t, n] for the last t of n keys as queries: causal, plus each key's bias
+    [B, n] (and, if given, each query's bias [B, t] along its row). A query always sees itself: a
+    token that runs the sublayer has a finite bias anyway, and padding (or a soft-path token with
+    gate 0, whose output is discarded) must not get a row of -inf, whose softmax is NaN."""
+    n = bias.size(1)
+    q = torch.arange(n - t, n, device=bias.device)[:, None]
+    k = torch.arange(n, device=bias.device)[None, :]
+    mask = torch.where(k <= q, bias[:, None, :], float("-inf"))
+    mask = torch.where(k == q, mask.clamp(min=math.log(GATE_FLOOR)), mask)
+    if query_bias is not None:  # one constant per row: softmax cancels it (skip_middle_gate_axis=query)
+        mask = mask + query_bias[:, :, None]
+    return mask[:, None]
+
+
+class KVCache:
+    """Keys and values of the tokens that ran one attention sublayer, for generation. Under MoD the
+    rows of a batch keep different tokens, so every slot has an additive bias per row: 0 for a key,
+    -inf where that row did not run the token (skip_middle: the key's log-gate). unbiased: no slot
+    so far was given a bias (every bias 0), so attention needs no mask beyond causality."""
+
+    def __init__(self, size):
+        self.size, self.n, self.k, self.unbiased = size, 0, None, True
+
+    def append(self, k, v, bias):
+        """Add t slots (k, v [B, nh, t, hd], bias [B, t], None: 0); return every slot so far."""
+        if bias is None:
+            bias = k.new_zeros(k.size(0), k.size(2), dtype=torch.float32)
+        else:
+            self.unbiased = False
+        B, nh, t, hd = k.shape
+        if self.k is None:
+            self.k, self.v = k.new_zeros(B, nh, self.size, hd), v.new_zeros(B, nh, self.size, hd)
+            self.bias = bias.new_full((B, self.size), float("-inf"))
+        if self.n + t > self.size:
+            raise RuntimeError(f"KV cache full ({self.size} slots): restart it")
+        self.k[:, :, self.n:self.n + t], self.v[:, :, self.n:self.n + t] = k, v
+        self.bias[:, self.n:self.n + t] = bias
+        self.n += t
+        return self.k[:, :, :self.n], self.v[:, :, :self.n], self.bias[:, :self.n]
+
+
+class Visibility:
+    """What attention needs beyond causality, in one argument: key_bias [B, T] is added to the scores of
+    each token as a key (skip_middle's gated attention; -inf: never a key), query_bias [B, T] to those
+    of each token as a query (the published skip_middle code's axis), and cache is a KVCache the T
+    tokens are appended to (generation)."""
+
+    def __init__(self, key_bias=None, query_bias=None, cache=None):
+        self.key_bias, self.query_bias, self.cache = key_bias, query_bias, cache
+
+    @staticmethod
+    def of(route, cache):
+        """The visibility of a sublayer that runs `route` (None: every token) with `cache`; None when
+        plain causal attention is all it takes."""
+        key_bias, query_bias = (None, None) if route is None else (route.key_bias, route.query_bias)
+        if cache is not None and route is not None and route.valid is not None:  # padding is never a key later on
+            key_bias = torch.where(route.valid.squeeze(-1), 0.0 if key_bias is None else key_bias, float("-inf"))
+        if key_bias is None and query_bias is None and cache is None:
+            return None
+        return Visibility(key_bias, query_bias, cache)
+
+    def keys(self, k, v):
+        """(k, v, mask, causal) for queries that are the T new tokens of k, v [B, nh, T, hd]: the keys
+        to attend to (the cache's, when there is one), an additive mask or None, and whether plain
+        causality applies where there is no mask."""
+        B, T = k.size(0), k.size(2)
+        if self.cache is not None:
+            k, v, bias = self.cache.append(k, v, self.key_bias)
+            if self.cache.unbiased and self.query_bias is None and (T == 1 or self.cache.n == T):
+                return k, v, None, T > 1  # one new token sees every cached key; a first window is plainly causal
+            return k, v, attention_mask(bias, T, self.query_bias), True
+        bias = self.key_bias if self.key_bias is not None else k.new_zeros(B, T, dtype=torch.float32)
+        return k, v, attention_mask(bias, T, self.query_bias), True
+
+
+# -----------------------------------------------------------------------------
 # the residual seam: the only place where the residual modes differ
 
 class Residual(nn.Module):
@@ -212,15 +250,20 @@ class Residual(nn.Module):
     class attributes below; flops(config), the forward FLOPs per token it adds beyond the backbone (every
     registered class defines its own); check(config), its options' checks; and, read by optim.py,
     no_decay_parameters() (a class with parameters has its own), decay_parameters(), mixing_parameters(), lr_groups().
+    flops() and no_decay_parameters() are read from the class's own body (vars(cls)), so a subclass states them
+    even when it keeps its parent's (BlockAttnRes delegates); an instance may narrow a class declaration from its
+    options (norm_scaling: scaled_init and starts_as; mhc_res=birkhoff: ops), and the readers ask the instance.
     The rules a mode keeps, each held by a generic test (tests/test_new_mode.py, tests/test_mod.py):
       - MoD: a token that skips sublayer l keeps its stream bit for bit: write_kept leaves it exactly as skip()
         leaves every token, and skip() changes nothing the state held: it may only append (attnres: a 0 output).
+      - MoD: write_kept hands route.weigh() the sublayer's whole write (route.weigh(alpha * out)), so that a
+        whole-block route (router, mod_layout=block) scales the block once, x + w f(x) (Eq. 1).
       - Override skip() when the state carries per-layer work (a history of outputs, a source list),
         value() and tokens() when the state is not one [B, T, d] tensor, and perturb() when a parameter
         has a valid region that its parameterisation does not keep.
     Optional hooks, no-ops here: set_warmup(scale) before each iteration, after_step(skipped) after
-    each optimizer step, describe() for train.py's banner. A new mode is a subclass and one line in RESIDUALS."""
-    options = {}  # its GPTConfig keys: name=default, or name=(valid values, the default first)
+    each optimizer step, describe() for train.py's banner. A new mode is a subclass, one line in RESIDUALS and its options' GPTConfig fields."""
+    options = {}  # the GPTConfig fields it owns: name=(its valid values), or name=None (any value)
     mods = ()  # the MoD modes it works with (besides none)
     ops = ()  # the fused custom ops (nanodepth::...) its forward uses (mhc_res=birkhoff drops its instance's Sinkhorn)
     vector_flops = ()  # the terms of flops() that are not matmuls
@@ -278,9 +321,7 @@ class PreNorm(Residual):
     norm_scaling=True: LayerNorm Scaling (Sun et al., arXiv 2502.05795; lmsdss/LayerNorm-Scaling): both
     sublayers of layer i = 1..L read RMSNorm(x) / sqrt(i) (the head's norm is not scaled), and, as the
     paper does, the output projections get the plain init, not GPT-2's scaled one (scaled_init)."""
-    options = dict(
-        norm_scaling=False,  # prenorm: LayerNorm Scaling, layer i's pre-norms times 1/sqrt(i), no scaled init
-    )
+    options = dict(norm_scaling=None)
     mods, ops, starts_as = ("router",), ("rms_norm",), "prenorm"
 
     @staticmethod
@@ -321,7 +362,180 @@ class PreNorm(Residual):
 
 
 # -----------------------------------------------------------------------------
+# the registries of modes, and the config: every mode's options written out
+
+RESIDUALS = {"prenorm": PreNorm}  # name -> class; each other residual mode adds its line after its class, below
+MODS = {"none": None}  # Mixture-of-Depths: name -> class (none: every token runs every sublayer); the same, below
+
+
+def option_owners():
+    """{option: (its valid values or None for any, "residual" or "mod", the modes that declare it)}, from the
+    registries as they are when called. Two modes may share an option (GPTConfig has one field for it) only
+    with the same values: else a TypeError names both."""
+    owners = {}
+    for key, registry in (("residual", RESIDUALS), ("mod", MODS)):
+        for name, cls in registry.items():
+            for option, choices in getattr(cls, "options", {}).items():
+                known = owners.setdefault(option, (choices, key, []))
+                if (known[0], known[1]) != (choices, key):
+                    raise TypeError(f"option {option!r}: {name} declares {choices!r}, {known[2][0]} declares "
+                                    f"{known[0]!r}; modes that share an option declare it alike")
+                known[2].append(name)
+    return owners
+
+
+def check_modes(config):
+    """The mode switches, every mode's options, and the modes' own checks: one-line errors that name the fix."""
+    if not 0.0 <= config.mod_rate < 1.0:
+        raise ValueError(f"mod_rate must be in [0, 1), got {config.mod_rate}")
+    if config.value_residual not in VALUE_RESIDUALS:
+        raise ValueError(f"unknown value_residual {config.value_residual!r}; valid: {', '.join(VALUE_RESIDUALS)}")
+    if config.value_residual != "none" and config.mod != "none":
+        raise ValueError(f"value_residual={config.value_residual} needs every token to run the first attention "
+                         f"sublayer, whose values the later ones mix in: use mod=none or value_residual=none")
+    for key, registry in (("residual", RESIDUALS), ("mod", MODS)):
+        if getattr(config, key) not in registry:
+            raise ValueError(f"unknown {key} '{getattr(config, key)}'; valid: {', '.join(registry)}")
+    chosen, defaults = {"residual": config.residual, "mod": config.mod}, {f.name: f.default for f in fields(config)}
+    for name, (choices, key, modes) in option_owners().items():
+        if name not in defaults:
+            raise TypeError(f"{key}={modes[0]} declares the option {name!r}, which GPTConfig lacks: add it "
+                            f"there, beside the other {key} options, with its default and a comment")
+        value = getattr(config, name)
+        if choices is not None and (value not in choices or type(value) is not type(choices[0])):
+            raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(map(str, choices))}")
+        if value != defaults[name] and chosen[key] not in modes:
+            raise ValueError(f"{name}={value} only applies to {key}={' or '.join(modes)}; "
+                             f"remove --{name} or set --{key}={modes[-1]}")
+    residual, mod = RESIDUALS[config.residual], MODS[config.mod]
+    works_with = {m: [r for r, cls in RESIDUALS.items() if m in cls.mods] for m in MODS if MODS[m]}
+    if mod is None and config.mod_rate > 0:
+        raise ValueError(f"mod_rate={config.mod_rate} needs a mod: set " + ", ".join(
+            f"--mod={m} ({' or '.join(rs)})" for m, rs in works_with.items()))
+    if mod is not None and config.mod not in residual.mods:
+        fix = (f"mod={' or '.join(residual.mods)}, or " if residual.mods else "") + \
+            f"residual={' or '.join(works_with[config.mod])}"
+        raise ValueError(f"mod={config.mod} does not work with residual={config.residual}; use {fix}")
+    residual.check(config)
+    if mod is not None:
+        mod.check(config)
+
+
+@dataclass
+class GPTConfig:
+    """The backbone's shape, the two mode switches, and every mode's options, each beside its default:
+    GPTConfig(residual="nag", nag_head="sqrt_d") and --nag_head=sqrt_d both work. A mode declares the
+    options it owns (its class's `options`); check_modes refuses one set for another mode, and a value
+    outside the values its mode declares."""
+    block_size: int = 1024  # context length T: tokens per training sequence, and the most a sample attends to
+    vocab_size: int = 50257  # real vocab; see padded_vocab_size for the embedding and head rows
+    n_layer: int = 12  # transformer blocks L: 2L sublayers (attention, MLP)
+    n_head: int = 12  # attention heads; n_embd / n_head must be even (RoPE)
+    n_embd: int = 768  # width d of the residual stream
+    dropout: float = 0.0  # in training only (a run setting: resume may change it)
+    residual: str = "prenorm"  # the residual mode: a name in RESIDUALS (--help lists them)
+    mod: str = "none"  # Mixture-of-Depths: a name in MODS (--help lists them)
+    mod_rate: float = 0.0  # target fraction of (token, sublayer) pairs that skip the sublayer
+    kernels: str = "auto"  # auto (Triton on CUDA tensors) | triton | torch: see kernels.py
+    value_residual: str = "none"  # none | half: v <- (v + v_1)/2 after the first attention (ResFormer) | learned: (1-lam) v + lam v_1, lam 0.5 at init
+    # residual=prenorm (PreNorm)
+    norm_scaling: bool = False  # LayerNorm Scaling: layer i's pre-norms times 1/sqrt(i), no scaled init
+    # residual=nag (NAG)
+    nag_channels: int = 32  # channels C of each sublayer's modulator
+    nag_head: str = "cosine"  # cosine: logits e^s cos(w_v, r) (nag-nanochat's) | sqrt_d: e^(s + g_dec) W_hat r / sqrt(d)
+    nag_m_floor: float = 1e-6  # the modulator's mixture is clamped >= this before ** beta (nag-nanochat's; 0: none)
+    # residual=attnres and block_attnres (AttnRes, BlockAttnRes): the paper's ablations (§5.3); the defaults are its method
+    attnres_query: str = "static"  # static: a learned pseudo-query per sublayer | input: projected from the stream
+    attnres_weights: str = "softmax"  # softmax over depth | sigmoid: an independent gate per source
+    attnres_key_norm: bool = True  # RMSNorm (learned weight) on the keys | False: raw sources as keys
+    attnres_blocks: Optional[int] = None  # block_attnres: N in [1, L], blocks of ceil(L/N) layers; None: min(8, L)
+    # residual=hc and mhc (HyperConnections, MHC)
+    hc_streams: int = 4  # n, the residual streams (each n_embd wide)
+    hc_dynamic: bool = False  # hc: False: static mixing matrices | True: plus per-token terms (the paper's DHC)
+    mhc_post_mult: float = 2.0  # mhc: H_post = sigmoid(.) * this: 2.0 (the paper) | 1.0 (the official code's default)
+    mhc_sinkhorn_repeat: int = 20  # mhc: Sinkhorn iterations: 20 (the paper's t_max) | 10 (the official code's default)
+    mhc_res: str = "sinkhorn"  # mhc: H_res by Sinkhorn | birkhoff: mHC-lite, a softmax over the n! permutations
+    # residual=dwa (DenseFormer)
+    dwa_dilation: int = 1  # k, a DWA after block i mixes the X_j with j = i mod k (1: every output; the paper's default)
+    dwa_period: int = 1  # p, a DWA after every p-th block only (1: after every block; the paper's default)
+    dwa_decay: bool = False  # weight decay on alpha (True: the reference, whose alphas are Linear weights)
+    # residual=scalars (ResidualScalars)
+    scalars_init: str = "nanochat"  # lam, beta from nanochat's depth ramps | modded: 1 and 0
+    scalars_lr_scale: float = 0.01  # the multipliers lam at this times the run's LR (nanochat: 0.01)
+    # residual=mudd (MUDD)
+    mudd_ways: int = 4  # 4: query, key, value and residual ways (the paper's) | 1: the residual way only
+    # mod=router (RouterMoD; Raposo et al., arXiv 2404.02258)
+    mod_layout: str = "block"  # block: attention + MLP share a route (Eq. 1) | sublayer: each routes alone
+    mod_every: int = 1  # route every k-th block (blocks 0, k, 2k, ..), the others dense; mod_rate stays overall
+    router_weight: str = "raw"  # kept writes scaled by the raw score r (Eq. 1) | sigmoid(r)
+    mod_inference: str = "predictor"  # eval routing: predictor (the paper's MLP) | threshold (score >= tau)
+    # mod=skip_middle (SkipMiddle)
+    skip_target: Optional[float] = None  # the innermost gate's mean target; None: 1 - 2 mod_rate
+    skip_middle_gate_axis: str = "key"  # where log(g) enters attention: key (the paper's description: g = 0 tokens are no keys, gathered out) | query (the published code: a row bias softmax cancels; every token runs, masked)
+
+    def __post_init__(self):
+        # one-line errors that name the fix; called again by GPT() after any field edits
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if (self.n_embd // self.n_head) % 2 != 0:
+            raise ValueError(f"head size n_embd/n_head = {self.n_embd // self.n_head} must be even for RoPE")
+        if self.kernels not in IMPLS:
+            raise ValueError(f"unknown kernels '{self.kernels}'; valid: {', '.join(IMPLS)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        check_modes(self)  # mod_rate, value_residual, the modes and their options
+
+    @property
+    def n_sublayers(self):
+        return 2 * self.n_layer
+
+    @property
+    def padded_vocab_size(self):
+        """The rows of the embedding and the head: a multiple of 64 (faster matmuls on a GPU) when that
+        adds at most 1/64 more rows (gpt2: 50257 -> 50304); a small vocab stays as is (65 characters:
+        padding to 128 would double the head's work)."""
+        padded = -(-self.vocab_size // 64) * 64
+        return padded if 64 * (padded - self.vocab_size) <= self.vocab_size else self.vocab_size
+
+
+# -----------------------------------------------------------------------------
 # the model
+
+@dataclass
+class Context:
+    """What one forward pass carries besides the stream: made in one place (GPT.new_context), read and
+    filled by the sublayers and the MoD modes, and handed back to the caller (executed)."""
+    tokens: int  # B * T, the tokens of the pass
+    executed: list  # per sublayer: the tokens that ran it (ints; 0-d tensors where MoD counted on the device)
+    pos: int = 0  # the first token's position (generation: after the tokens in the caches)
+    caches: Optional[list] = None  # generation: per sublayer, a KVCache (attention) or None (MLP)
+    update_tau: bool = False  # a training pass: TopKMoD moves its thresholds tau
+    v1: Optional[torch.Tensor] = None  # value_residual: the first attention sublayer's values
+    routes: Optional[dict] = None  # routing() asks for each sublayer's Route here
+    # Mixture-of-Depths' records for the pass (the MoD modes below fill them)
+    block_routes: dict = field(default_factory=dict)  # a block's route, made at its attention, reused by its MLP
+    tau: Optional[list] = None  # eval: TopKMoD's thresholds, read from the device once a pass
+    predictor_bce: list = field(default_factory=list)  # mod=router: each predictor's BCE, for aux_loss
+    gates: list = field(default_factory=list)  # mod=skip_middle: each producer's gates g, for aux_loss
+    gate_sum: Optional[torch.Tensor] = None  # mod=skip_middle: the producers' scores s summed so far
+
+
+def executed_fraction(executed, tokens):
+    """Per sublayer, the fraction of a pass's tokens that ran it: GPT(idx, executed=True)'s counts / idx.numel()."""
+    return [float(e) / tokens for e in executed]
+
+
+def _last_position(state):
+    """Keep only the last token of every tensor in a stream state (a tensor, or a NamedTuple, tuple or
+    list of them)."""
+    if state is None or torch.is_tensor(state):
+        return state if state is None else state[:, [-1]]
+    last = [_last_position(part) for part in state]
+    return state._make(last) if hasattr(state, "_make") else type(state)(last)
+
 
 class GPT(nn.Module):
 
@@ -332,7 +546,8 @@ class GPT(nn.Module):
         V, d = config.padded_vocab_size, config.n_embd
         self.wte = nn.Embedding(V, d)
         self.drop = nn.Dropout(config.dropout)
-        # sublayers l = 0..2L-1 alternate attention and MLP (the README numbers them 1..2L)
+        # sublayers l = 0..2L-1 alternate attention and MLP: block i is sublayers 2i and 2i + 1 (the README
+        # and diagnose number them 1..2L)
         self.sublayers = nn.ModuleList(
             CausalSelfAttention(config, first=l == 0) if l % 2 == 0 else MLP(config) for l in range(config.n_sublayers))
         self.stream = RESIDUALS[config.residual](config)
@@ -361,15 +576,14 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.wte.weight.numel() if non_embedding else n
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, executed=False):
+        """nanoGPT's: (logits, loss); without targets, only the last position's logits and loss None.
+        executed=True: (logits, loss, executed), the tokens that ran each sublayer (MoD: see executed_fraction)."""
         B, T = idx.size()
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        ctx = self._context(B * T, update_tau=self.training)
-        state = self.stream.embed(self.drop(self.wte(idx)))
-        for l in range(len(self.sublayers)):
-            state = self._sublayer(state, l, ctx)
-        self._finish(ctx)
+        ctx = self.new_context(B * T, update_tau=self.training)
+        state = self.stream_through(self.drop(self.wte(idx)), ctx)
         if targets is None:  # inference: only the last position's logits are needed
             state = _last_position(state)
         logits = self.stream.head(state, self.lm_head)[..., :self.config.vocab_size]
@@ -379,50 +593,51 @@ class GPT(nn.Module):
             aux = self.mod.aux_loss(ctx) if self.training and self.mod is not None else None
             if aux is not None:  # skip_middle's sparsity penalty; the router predictors' BCE (value 0)
                 loss = loss + aux
-        return logits, loss
+        return (logits, loss, ctx.executed) if executed else (logits, loss)
 
-    def _sublayer(self, state, l, ctx):
-        """Run sublayer l on the tokens the MoD mode routes to it (all of them without MoD) and write
-        its output back into the stream, with what the write needs from the read (carry)."""
+    def new_context(self, tokens, update_tau=False, pos=0, caches=None):
+        """The Context of a forward pass over `tokens` tokens (the only place one is made)."""
+        return Context(tokens, [tokens] * len(self.sublayers), pos=pos, caches=caches, update_tau=update_tau)
+
+    def stream_through(self, e, ctx, look=None):
+        """The forward's one loop: the stream from the token embeddings e [B, T, d] through each block, its
+        attention and then its MLP. look(l, state), if given, sees the stream before each sublayer l and,
+        with l = 2L, before the head (diagnose and routing look inside this way)."""
+        state = self.stream.embed(e)
+        for block in range(self.config.n_layer):
+            for l in (2 * block, 2 * block + 1):  # the block's attention, then its MLP
+                if look is not None:
+                    look(l, state)
+                state = self.sublayer(state, l, ctx)
+        if look is not None:
+            look(2 * self.config.n_layer, state)
+        return state
+
+    def sublayer(self, state, l, ctx):
+        """Sublayer l on what the residual mode reads for it, on the tokens the MoD mode routes to it (all
+        of them without MoD), its output written back with what the write needs from the read (carry). The
+        MLP takes x alone; attention takes the RoPE rows of x's positions, under MoD or with KV caches the
+        Visibility of its keys, and v1 (value_residual)."""
         x, carry = self.stream.read(state, l)
         route = self.mod.route(self.stream, state, x, l, ctx) if self.mod is not None else None
-        if "routes" in ctx:  # routing() records them
-            ctx["routes"][l] = route
-        if route is None:
-            return self.stream.write(state, l, self._run(l, x, None, ctx), carry)
-        ctx["executed"][l] = route.executed
-        if route.idx is not None and route.idx.size(1) == 0:
-            return self.stream.skip(state, l)  # nobody runs this sublayer
-        return self.stream.write_kept(state, l, self._run(l, route.gather(x), route, ctx), carry, route)
-
-    def _run(self, l, x, route, ctx):
-        """Sublayer l on x. The MLP takes x alone; attention takes the RoPE rows of x's positions,
-        under MoD or with KV caches the Visibility of its keys, and v1 (value_residual)."""
+        if ctx.routes is not None:  # routing() records them
+            ctx.routes[l] = route
+        if route is not None:
+            ctx.executed[l] = route.executed
+            if route.idx is not None and route.idx.size(1) == 0:
+                return self.stream.skip(state, l)  # nobody runs this sublayer
+            x = route.gather(x)
         if l % 2:
-            return self.sublayers[l](x)
-        pos, cache = ctx["pos"], ctx["caches"] and ctx["caches"][l]
-        T = (x[0] if isinstance(x, tuple) else x).size(1)  # a per-way read is a tuple (mudd)
-        rope = self.rope[pos:pos + T] if route is None or route.idx is None else self.rope[pos + route.idx]
-        out, ctx["v1"] = self.sublayers[l](x, rope, Visibility.of(route, cache), ctx["v1"])
-        return out
-
-    def _context(self, tokens, update_tau=False, pos=0, caches=None):
-        """What one forward pass carries besides the stream: the first position and KV caches (generation),
-        routing state, the tokens each sublayer ran (executed), the first attention's values (v1)."""
-        return {"tokens": tokens, "pos": pos, "caches": caches, "update_tau": update_tau,
-                "executed": [tokens] * len(self.sublayers), "v1": None}
-
-    def _finish(self, ctx):
-        self.last_executed = ctx["executed"]  # per sublayer: tokens run (ints, or 0-d tensors)
-        self.last_tokens = ctx["tokens"]
-
-    def executed_fraction(self):
-        """Per sublayer, the fraction of tokens that ran it in the last forward pass."""
-        return [float(e) / self.last_tokens for e in self.last_executed]
-
-    def diagnostics(self, idx):
-        """Per sublayer: the stream's RMS, its update's size, the tokens that ran it, the mode's figures."""
-        return diagnose(self, idx)
+            out = self.sublayers[l](x)
+        else:
+            T = (x[0] if isinstance(x, tuple) else x).size(1)  # a per-way read is a tuple (mudd)
+            pos = ctx.pos
+            rope = self.rope[pos:pos + T] if route is None or route.idx is None else self.rope[pos + route.idx]
+            cache = ctx.caches[l] if ctx.caches else None
+            out, ctx.v1 = self.sublayers[l](x, rope, Visibility.of(route, cache), ctx.v1)
+        if route is None:
+            return self.stream.write(state, l, out, carry)
+        return self.stream.write_kept(state, l, out, carry, route)
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, gate_lr_scale=1.0, gate_decay=False, muon=None):
         """nanoGPT's: the optimizer; optim.py puts each parameter in its group, from the modes' declarations."""
@@ -445,18 +660,46 @@ class GPT(nn.Module):
         c, mod = self.config, f" + mod={self.config.mod} at mod_rate {self.config.mod_rate:g}"
         return f"{c.residual}{mod if c.mod != 'none' else ''}: {c.n_layer} layers{self.stream.describe()}, {c.n_embd} wide"
 
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, kv_cache=True):
-        """nanoGPT's: max_new_tokens sampled after idx (LongTensor [B, T]); sample() below, with KV caches."""
-        return sample(self, idx, max_new_tokens, temperature, top_k, kv_cache)
+    def cached_step(self, idx, caches, pos):
+        """The logits of the last of the tokens idx [B, t] at positions pos.., which are appended to the
+        caches; and the tokens that ran each sublayer."""
+        ctx = self.new_context(idx.numel(), pos=pos, caches=caches)
+        state = self.stream_through(self.wte(idx), ctx)
+        return self.stream.head(_last_position(state), self.lm_head)[..., :self.config.vocab_size], ctx.executed
 
-
-def _last_position(state):
-    """Keep only the last token of every tensor in a stream state (a tensor, or a NamedTuple, tuple or
-    list of them)."""
-    if state is None or torch.is_tensor(state):
-        return state if state is None else state[:, [-1]]
-    last = [_last_position(part) for part in state]
-    return state._make(last) if hasattr(state, "_make") else type(state)(last)
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, kv_cache=True, stats=False):
+        """nanoGPT's: max_new_tokens sampled after idx (LongTensor [B, T]). With kv_cache, each new token runs
+        alone through the sublayers it is routed to, against caches that hold only the tokens each attention
+        sublayer ran; when a cache fills up (block_size positions) it restarts from the last block_size / 2
+        tokens. Without it, every step recomputes the context cropped to block_size. stats=True: returns
+        (idx, {"executed": per sublayer the tokens that ran it, "tokens": the tokens run}) instead."""
+        size = self.config.block_size
+        executed, n = [0] * len(self.sublayers), 0
+        caches, pos = None, 0
+        for _ in range(max_new_tokens):
+            if not kv_cache:
+                idx_cond = idx if idx.size(1) <= size else idx[:, -size:]
+                logits, _, ran = self(idx_cond, executed=True)
+                step = idx_cond.numel()
+            elif caches is None or pos == size:
+                window = idx[:, -(size if caches is None else size // 2):]
+                caches = [KVCache(size) if l % 2 == 0 else None for l in range(len(self.sublayers))]
+                (logits, ran), pos, step = self.cached_step(window, caches, 0), window.size(1), window.numel()
+            else:
+                (logits, ran), pos, step = self.cached_step(idx[:, -1:], caches, pos), pos + 1, idx.size(0)
+            executed, n = [a + float(b) for a, b in zip(executed, ran)], n + step
+            logits = logits[:, -1, :]
+            if temperature == 0:
+                idx_next = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                    logits[logits < v[:, [-1]]] = -float("inf")
+                idx_next = torch.multinomial(F.softmax(logits.float(), dim=-1), num_samples=1)
+            idx = torch.cat((idx, idx_next), dim=1)
+        return (idx, {"executed": executed, "tokens": n}) if stats else idx
 
 
 # -----------------------------------------------------------------------------
@@ -516,11 +759,7 @@ class NAG(Residual):
         direction: torch.Tensor  # r [..., d], unit RMS
         log_norm: torch.Tensor  # s [..., 1], fp32: the stream is e^s r
 
-    options = dict(
-        nag_channels=32,  # nag: channels C of each sublayer's modulator
-        nag_head=("cosine", "sqrt_d"),  # nag: cosine: logits e^s cos(w_v, r) (nag-nanochat's) | sqrt_d: e^(s + g_dec) W_hat r / sqrt(d)
-        nag_m_floor=1e-6,  # nag: the modulator's mixture is clamped >= this before ** beta (nag-nanochat's; 0: none)
-    )
+    options = dict(nag_channels=None, nag_head=("cosine", "sqrt_d"), nag_m_floor=None)
     mods, ops = ("nag",), ("nag_update",)
     vector_flops = ("nag_modulator_mix",)
     embed_std = 1.0  # so e^s starts near 1; with 0.02 the logits would start 50x too small
@@ -583,7 +822,8 @@ class NAG(Residual):
         return self.State(r, s + log_gain)
 
     def write_kept(self, state, l, out, carry, route):
-        """mod=nag: the routing score is the tangent a of the kept tokens (it carries m's gradient)."""
+        """mod=nag: route.score is the tangent a of the kept tokens (it carries m's gradient). NAGMoD.score sets
+        it; nag works with no other MoD mode (mods), so no route reaches here without it."""
         r, s = state.direction, state.log_norm
         r_k, s_k = route.gather(r), route.gather(s)
         r_new, log_gain = nag_update(r_k, out, route.score, impl=self.impl)
@@ -633,11 +873,8 @@ class AttnRes(Residual):
         blocks: list  # the finished sources: b_0 = the embedding, then one per finished block
         partial: Optional[torch.Tensor]  # the running sum of the current block's outputs (None: none yet)
 
-    options = dict(  # AttnRes ablations (paper §5.3); the defaults are the paper's method
-        attnres_query=("static", "input"),  # static: a learned pseudo-query per sublayer | input: projected from the stream
-        attnres_weights=("softmax", "sigmoid"),  # softmax over depth | sigmoid: an independent gate per source
-        attnres_key_norm=(True, False),  # RMSNorm (learned weight) on the keys | False: raw sources as keys
-    )
+    options = dict(  # the paper's ablations (§5.3)
+        attnres_query=("static", "input"), attnres_weights=("softmax", "sigmoid"), attnres_key_norm=(True, False))
     mods, ops = ("router",), ("rms_norm", "depth_attention")
     vector_flops = ("attnres_depth",)  # mat-vecs and broadcasts, not matmuls
 
@@ -767,10 +1004,7 @@ class BlockAttnRes(AttnRes):
     Boundaries fall before every k-th layer, as the reference's `layer % k == 0`; the last block keeps
     the layers that remain, so it may be shorter, and a boundary never splits a layer's attention from
     its MLP. N blocks when N divides L, maybe fewer otherwise (L = 12, N = 8: k = 2, 6 blocks)."""
-    options = dict(
-        attnres_blocks=None,  # block_attnres: N in [1, L], blocks of ceil(L/N) layers; None: min(8, L)
-        **AttnRes.options,
-    )
+    options = dict(attnres_blocks=None, **AttnRes.options)
 
     @classmethod
     def flops(cls, config):
@@ -812,10 +1046,7 @@ class HyperConnections(Residual):
     s_a = s_b = 0.01 at init. MHC below constrains the same read and write.
     The state is X. read() computes sublayer l's coefficients from X (pre_mix) and hands H_post and
     H_res to the write as its carry."""
-    options = dict(
-        hc_streams=4,  # hc, mhc: n, the residual streams (each n_embd wide)
-        hc_dynamic=False,  # hc: False: static mixing matrices | True: plus per-token terms (the paper's DHC)
-    )
+    options = dict(hc_streams=None, hc_dynamic=None)
     mods, ops, starts_as = ("router",), ("rms_norm", "hc_post_mix"), "prenorm"
     vector_flops = ("hc_read", "hc_write")
     routed_flops = ("hc_mix", "hc_write")  # under MoD a skipped token's streams are neither mixed nor written
@@ -950,12 +1181,7 @@ class MHC(HyperConnections):
     diagonal (H_res 0.71 on it for n = 4: near the identity, not so peaked that Sinkhorn's gradient
     vanishes), head 0. The streams start equal and a doubly-stochastic H_res keeps equal streams
     equal, so at init every stream is prenorm's stream and the logits are prenorm's."""
-    options = dict(
-        hc_streams=4,
-        mhc_post_mult=2.0,  # mhc: H_post = sigmoid(.) * this: 2.0 (the paper) | 1.0 (the official code's default)
-        mhc_sinkhorn_repeat=20,  # mhc: Sinkhorn iterations: 20 (the paper's t_max) | 10 (the official code's default)
-        mhc_res=("sinkhorn", "birkhoff"),  # mhc: H_res by Sinkhorn | birkhoff: mHC-lite, a softmax over the n! permutations
-    )
+    options = dict(hc_streams=None, mhc_post_mult=None, mhc_sinkhorn_repeat=None, mhc_res=("sinkhorn", "birkhoff"))
     ops = ("rms_norm", "mhc_pre_mix", "sinkhorn", "hc_post_mix")
     vector_flops = ("hc_read", "hc_write", "mhc_sinkhorn", "mhc_birkhoff_norm")
 
@@ -997,7 +1223,8 @@ class MHC(HyperConnections):
     def init_mixing(self, config):
         """phi, the scales and biases of each sublayer and of the head, at our init (class docstring).
         birkhoff: H_res's n! logits start as mHC-lite's (github.com/FFTYYY/mhc-lite): 0 for the identity
-        permutation, -8 for every other (H_res 0.99 on the diagonal for n = 4)."""
+        permutation, -8 for every other (H_res 0.99 on the diagonal for n = 4). hc's dynamic terms are hc's
+        own: mhc's pre_mix and parameter lists replace hc's, and never read self.dynamic."""
         n, d, L = config.hc_streams, config.n_embd, config.n_sublayers
         self.birkhoff = config.mhc_res == "birkhoff"
         K = 2 * n + self.res_size(config)
@@ -1078,11 +1305,7 @@ class DenseFormer(Residual):
     class State(NamedTuple):
         x: torch.Tensor  # the stream
         outputs: list  # X_0 (the embedding), X_1, ..: the stream leaving each block so far, before its DWA
-    options = dict(
-        dwa_dilation=1,  # dwa: k, a DWA after block i mixes the X_j with j = i mod k (1: every output; the paper's default)
-        dwa_period=1,  # dwa: p, a DWA after every p-th block only (1: after every block; the paper's default)
-        dwa_decay=False,  # dwa: weight decay on alpha (True: the reference, whose alphas are Linear weights)
-    )
+    options = dict(dwa_dilation=None, dwa_period=None, dwa_decay=None)
     mods, ops, starts_as = ("router",), ("rms_norm", "dense_mix"), "prenorm"
     vector_flops = ("dwa",)  # weighted sums of whole outputs: broadcasts, not matmuls
 
@@ -1204,10 +1427,7 @@ class ResidualScalars(PreNorm):
     class State(NamedTuple):
         x: torch.Tensor  # the stream
         x0: torch.Tensor  # RMSNorm(e), the lane each block mixes back in
-    options = dict(
-        scalars_init=("nanochat", "modded"),  # scalars: lam, beta from nanochat's depth ramps | modded: 1 and 0
-        scalars_lr_scale=0.01,  # scalars: the multipliers lam at this times the run's LR (nanochat: 0.01)
-    )
+    options = dict(scalars_init=("nanochat", "modded"), scalars_lr_scale=None)
     mods, ops, starts_as = ("router",), ("rms_norm",), None
     vector_flops = ("scalars",)
 
@@ -1292,9 +1512,7 @@ class MUDD(Residual):
         x: torch.Tensor  # the residual way x_r: what the next block adds to (after the last block, the head's input)
         outputs: list  # X_0 (the embedding), .., X_i: the outputs of the blocks so far
         qkv: Optional[tuple]  # the next attention's query, key and value ways (mudd_ways=4), else None
-    options = dict(
-        mudd_ways=(4, 1),  # mudd: 4: query, key, value and residual ways (the paper's) | 1: the residual way only
-    )
+    options = dict(mudd_ways=(4, 1))
     mods, ops, starts_as = (), ("rms_norm", "dense_mix"), "prenorm"
     vector_flops = ()  # the mix too is a (batched) matmul in dense_mix's reference, as FlopCounterMode sees it
 
@@ -1381,8 +1599,7 @@ class MUDD(Residual):
         return {"depth_weights": self.weights(outputs[-1], i - 1)[..., -1, :].float().flatten(0, -2).mean(0).tolist()}
 
 
-RESIDUALS = {
-    "prenorm": PreNorm,
+RESIDUALS.update({  # the other residual modes, one line each
     "sandwich": Sandwich,
     "nag": NAG,
     "attnres": AttnRes,
@@ -1392,6 +1609,14 @@ RESIDUALS = {
     "dwa": DenseFormer,
     "scalars": ResidualScalars,
     "mudd": MUDD,
+})
+VARIANTS = {  # the options that change what a mode computes: the tests check each as a mode of its own, bench.py times it
+    "prenorm (norm_scaling)": dict(residual="prenorm", norm_scaling=True),
+    "prenorm (value_residual=learned)": dict(residual="prenorm", value_residual="learned"),  # a backbone option
+    "mhc (mhc_res=birkhoff)": dict(residual="mhc", mhc_res="birkhoff"),
+    "dwa (dwa_dilation=2, dwa_period=2)": dict(residual="dwa", dwa_dilation=2, dwa_period=2),
+    "hc (value_residual=learned)": dict(residual="hc", value_residual="learned"),
+    "mudd (mudd_ways=1)": dict(residual="mudd", mudd_ways=1),
 }
 
 
@@ -1399,10 +1624,7 @@ RESIDUALS = {
 # Mixture-of-Depths: which tokens run each sublayer. Skipped tokens are gathered out,
 # so they cost no matmul FLOPs and are not keys at that attention sublayer.
 # Each MoD mode is a MoD: route(stream, state, x, l, ctx) -> Route, or None for "every token,
-# unweighted" (the dense path); ctx is a per-forward dict (GPT._context).
-
-GATE_FLOOR = 1e-6  # skip_middle's attention bias is log(clamp(g, GATE_FLOOR, 1)), -inf at g = 0
-
+# unweighted" (the dense path); ctx is the pass's Context (GPT.new_context), whose MoD fields they fill.
 
 def capacity(T, rate):
     """Tokens a top-k routed sublayer keeps out of T: k = ceil((1 - rate) T)."""
@@ -1516,8 +1738,8 @@ def mask_route(keep, score=None):
 
 def block_route(ctx, block, make):
     """The route of transformer block `block`: made by make() where the block starts, then reused by
-    its MLP (and by skip_middle's mirror block). ctx["block_routes"] holds them for one forward."""
-    routes = ctx.setdefault("block_routes", {})
+    its MLP (and by skip_middle's mirror block). ctx.block_routes holds them for one forward."""
+    routes = ctx.block_routes
     if block not in routes:
         routes[block] = make()
     return routes[block]
@@ -1614,7 +1836,7 @@ class TopKMoD(MoD):
         score = self.score(stream, state, x, l)  # [B, T], fp32
         if self.training:
             route, kth = topk_route(score, capacity(score.size(1), self.rate))
-            if ctx["update_tau"]:
+            if ctx.update_tau:
                 with torch.no_grad():
                     kth = kth.mean()
                     old = self.tau[u]
@@ -1629,9 +1851,9 @@ class TopKMoD(MoD):
         # where tau is nan, with no data-dependent branch)
         if torch.compiler.is_compiling():
             return False
-        if "tau" not in ctx:
-            ctx["tau"] = self.tau.tolist()
-        return math.isnan(ctx["tau"][u])
+        if ctx.tau is None:
+            ctx.tau = self.tau.tolist()
+        return math.isnan(ctx.tau[u])
 
     def keep(self, x, u, score, ctx):
         """Eval: score >= tau, [B, T] bool; for one token (a KV-cache step) a Python bool, from one
@@ -1639,7 +1861,7 @@ class TopKMoD(MoD):
         if torch.compiler.is_compiling():
             tau = self.tau[u]
             return (score >= tau) | tau.isnan()  # nan: never trained with routing, every token runs
-        return score.item() >= ctx["tau"][u] if score.numel() == 1 else score >= self.tau[u]
+        return score.item() >= ctx.tau[u] if score.numel() == 1 else score >= self.tau[u]
 
     def routing_score(self, stream, state, l, scores):
         """routing(): what sublayer l is routed on (None where it runs dense); scores: those so far."""
@@ -1682,12 +1904,8 @@ class RouterMoD(TopKMoD):
     tracked either way, so a predictor model can also be evaluated with inference = "threshold".
     The paper's whole recipe (every other block at 12.5% capacity) is config/mod_router_paper.py;
     mod_every=1 is the default so that mod_rate spans [0, 1) as for the other MoD modes."""
-    options = dict(  # Raposo et al., arXiv 2404.02258
-        mod_layout=("block", "sublayer"),  # block: attention + MLP share a route (Eq. 1) | sublayer: each routes alone
-        mod_every=1,  # route every k-th block (blocks 0, k, 2k, ..), the others dense; mod_rate stays overall
-        router_weight=("raw", "sigmoid"),  # kept writes scaled by the raw score r (Eq. 1) | sigmoid(r)
-        mod_inference=("predictor", "threshold"),  # eval routing: predictor (the paper's MLP) | threshold (score >= tau)
-    )
+    options = dict(mod_layout=("block", "sublayer"), mod_every=None, router_weight=("raw", "sigmoid"),
+                   mod_inference=("predictor", "threshold"))
 
     @staticmethod
     def n_routers(config):
@@ -1756,7 +1974,7 @@ class RouterMoD(TopKMoD):
         if self.predictors is not None:
             member = torch.zeros(x.shape[:2], device=x.device).scatter(1, route.idx, 1.0)
             bce = F.binary_cross_entropy_with_logits(self.predict(x, u), member)
-            ctx.setdefault("predictor_bce", []).append(bce)
+            ctx.predictor_bce.append(bce)
 
     def finish(self, route):
         route.weight = route.score if self.weighting == "raw" else torch.sigmoid(route.score)
@@ -1766,9 +1984,9 @@ class RouterMoD(TopKMoD):
     def aux_loss(self, ctx):
         """The predictors' BCE summed, as bce - bce.detach(): its gradient trains the predictors (and
         nothing else: their input is detached), its value is 0, so the loss stays the LM loss."""
-        if "predictor_bce" not in ctx:
+        if not ctx.predictor_bce:
             return None
-        bce = torch.stack(ctx["predictor_bce"])
+        bce = torch.stack(ctx.predictor_bce)
         with torch.no_grad():
             self.predictor_bce.copy_(bce)
         return (bce - bce.detach()).sum()
@@ -1792,13 +2010,7 @@ class SkipMiddle(MoD):
     from 1 (outermost) to skip_target (innermost); variance targets t(1 - t). With one producer
     (L = 2) the target is skip_target: the reference's linspace(1, end, 1) gives 1 there, a gate that
     never aims to skip. Producers get no weight decay, as in the reference."""
-    options = dict(
-        skip_target=None,  # skip_middle: the innermost gate's mean target; None: 1 - 2 mod_rate
-        # where log(g) enters attention. key: the paper's description (other tokens stop reading a token
-        # that skipped, so g = 0 tokens are gathered out exactly) | query: the published code (a row bias
-        # that softmax cancels; every token runs, masked)
-        skip_middle_gate_axis=("key", "query"),  # skip_middle: key (the paper's description) | query (the published code)
-    )
+    options = dict(skip_target=None, skip_middle_gate_axis=("key", "query"))
     counted_dense = True  # the gates decide how many tokens run: FLOP plans count dense, an upper bound
     unused_parameters = True  # DDP: a middle block whose gate is 0 on all of a rank's tokens gets no gradient there
     eta, tolerance = 1e-3, 0.01
@@ -1841,15 +2053,15 @@ class SkipMiddle(MoD):
         return block_route(ctx, l // 2, lambda: self.gate_route(state, l // 2, ctx))  # the MLP reuses it
 
     def gate_route(self, state, block, ctx):
-        gates = ctx.setdefault("gates", [])
+        gates = ctx.gates
         if block < len(self.producers):
             s = F.relu(upcast(self.producers[block](state))).squeeze(-1)
-            total = s if block == 0 else ctx["gate_sum"] + s
-            ctx["gate_sum"] = total
+            total = s if block == 0 else ctx.gate_sum + s
+            ctx.gate_sum = total
             gates.append(1.0 - total.clamp(0.0, 1.0))
         gate = min(block, self.n_blocks - 1 - block)
         if gate != block:  # block L-1-i reuses block i's gate, and so its route
-            return ctx["block_routes"][gate]
+            return ctx.block_routes[gate]
         g = gates[gate]
         if self.axis == "query":  # a g = 0 token is still a key for the others: it must run
             route = Route(None, executed=g.numel())
@@ -1865,7 +2077,7 @@ class SkipMiddle(MoD):
     def aux_loss(self, ctx):
         """mean_i (lam_i mean(g_i) + mu_i var(g_i)) over the producers, this micro-batch's statistics;
         adds its sums to gate_sums for the controller."""
-        g = torch.stack([x.flatten() for x in ctx["gates"]])
+        g = torch.stack([x.flatten() for x in ctx.gates])
         with torch.no_grad():
             g64 = g.detach().double()
             self.gate_sums.add_(torch.stack([torch.full_like(g64[:, 0], g.size(1)), g64.sum(1), g64.square().sum(1)]))
@@ -1898,7 +2110,7 @@ class SkipMiddle(MoD):
             coef.add_(torch.where(gap.abs() > self.tolerance, self.eta * gap, 0.0))  # nan > x is False
 
 
-MODS = {"none": None, "nag": NAGMoD, "router": RouterMoD, "skip_middle": SkipMiddle}
+MODS.update({"nag": NAGMoD, "router": RouterMoD, "skip_middle": SkipMiddle})  # one entry each
 
 
 # -----------------------------------------------------------------------------
@@ -1906,27 +2118,26 @@ MODS = {"none": None, "nag": NAGMoD, "router": RouterMoD, "skip_middle": SkipMid
 
 @torch.no_grad()
 def diagnose(model, idx):
-    """Per sublayer l: the RMS of the stream entering it (nag: e^s), the relative size of its update
-    ||x_{l+1} - x_l|| / ||x_l||, the fraction of tokens that ran it (MoD, under the model's current
-    train or eval routing), and the mode's own figures (its stats(): nag's gate health, attnres's
-    depth weights). For attnres the "stream" is the depth mix a sublayer reads."""
+    """Per sublayer l (numbered 1..2L here, as in the README): the RMS of the stream entering it (nag: e^s),
+    the relative size of its update ||x_{l+1} - x_l|| / ||x_l||, the fraction of tokens that ran it (MoD,
+    under the model's current train or eval routing), and the mode's own figures (its stats(): nag's gate
+    health, attnres's depth weights); then a row for the head. For attnres the "stream" is the depth mix a
+    sublayer reads."""
     B, T = idx.shape
-    ctx = model._context(B * T)
-    state = model.stream.embed(model.wte(idx))
-    rows = []
-    for l in range(len(model.sublayers)):
-        x_in = model.stream.value(state, l).float()
-        row = {"sublayer": l + 1, "kind": "attn" if l % 2 == 0 else "mlp",
-               "rms": x_in.square().mean().sqrt().item()}
-        row.update(model.stream.stats(state, l))
-        state = model._sublayer(state, l, ctx)
-        x_out = model.stream.value(state, l + 1).float()
-        row["update"] = ((x_out - x_in).norm(dim=-1) / x_in.norm(dim=-1)).mean().item()
-        row["executed"] = float(ctx["executed"][l]) / (B * T)
-        rows.append(row)
-    head = model.stream.value(state, len(model.sublayers)).float()
-    rows.append({"sublayer": len(model.sublayers) + 1, "kind": "head", "rms": head.square().mean().sqrt().item(),
-                 **model.stream.stats(state, len(model.sublayers))})
+    ctx, stream, rows = model.new_context(B * T), model.stream, []
+
+    def look(l, state):  # before sublayer l (0-based), and before the head (l = 2L)
+        x = stream.value(state, l).float()
+        if rows:  # the update of the sublayer before
+            x_in, row = rows[-1].pop("x_in"), rows[-1]
+            row["update"] = ((x - x_in).norm(dim=-1) / x_in.norm(dim=-1)).mean().item()
+            row["executed"] = float(ctx.executed[l - 1]) / (B * T)
+        kind = "head" if l == len(model.sublayers) else "attn" if l % 2 == 0 else "mlp"
+        rows.append({"sublayer": l + 1, "kind": kind, "rms": x.square().mean().sqrt().item(), **stream.stats(state, l),
+                     "x_in": x})
+
+    model.stream_through(model.wte(idx), ctx, look)
+    rows[-1].pop("x_in")
     if any("dead" in row for row in rows):  # nag: how many branches are dead
         rows[-1]["dead"] = sum(row.get("dead", 0.0) for row in rows[:-1])
     return rows
@@ -1939,204 +2150,17 @@ def routing(model, idx):
     routed on (mod=router: the router's score r; mod=nag: the tangent a = alpha_l m_l(r) of every
     sublayer), nan where a sublayer is not routed."""
     B, T = idx.shape
-    ctx = model._context(B * T)
-    ctx["routes"] = {}
     n = len(model.sublayers)
+    ctx = model.new_context(B * T)
+    ctx.routes = {}
     score = torch.full((n, B, T), float("nan"), device=idx.device)
-    state = model.stream.embed(model.wte(idx))
-    for l in range(n):
-        s = model.mod.routing_score(model.stream, state, l, score) if model.mod is not None else None
+
+    def look(l, state):  # before sublayer l: what it is routed on
+        s = model.mod.routing_score(model.stream, state, l, score) if model.mod is not None and l < n else None
         if s is not None:
             score[l] = s.float()
-        state = model._sublayer(state, l, ctx)
-    model._finish(ctx)
+
+    model.stream_through(model.wte(idx), ctx, look)
     dense = Route(None, executed=B * T)
-    ran = torch.stack([(ctx["routes"][l] or dense).ran(B, T, idx.device) for l in range(n)])
+    ran = torch.stack([(ctx.routes[l] or dense).ran(B, T, idx.device) for l in range(n)])
     return ran, score
-
-
-# -----------------------------------------------------------------------------
-# generation (KV caches), and attention under MoD: which keys each query sees
-
-@torch.no_grad()
-def sample(model, idx, max_new_tokens, temperature=1.0, top_k=None, kv_cache=True):
-    """Sample max_new_tokens after idx (LongTensor [B, T]). With kv_cache, each new token runs
-    alone through the sublayers it is routed to, against caches that hold only the tokens each
-    attention sublayer ran; when a cache fills up (block_size positions) it restarts from the
-    last block_size / 2 tokens. Without it, every step recomputes the context cropped to
-    block_size. model.generate_stats counts, per sublayer, the tokens that ran it."""
-    executed, n = [0] * len(model.sublayers), 0
-    caches, pos = None, 0
-    for _ in range(max_new_tokens):
-        if not kv_cache:
-            idx_cond = idx if idx.size(1) <= model.config.block_size else idx[:, -model.config.block_size:]
-            logits, _ = model(idx_cond)
-            step = idx_cond.numel()
-        elif caches is None or pos == model.config.block_size:
-            window = idx[:, -(model.config.block_size if caches is None else model.config.block_size // 2):]
-            caches = [KVCache(model.config.block_size) if l % 2 == 0 else None for l in range(len(model.sublayers))]
-            logits, pos, step = cached_step(model, window, caches, 0), window.size(1), window.numel()
-        else:
-            logits, pos, step = cached_step(model, idx[:, -1:], caches, pos), pos + 1, idx.size(0)
-        executed, n = [a + float(b) for a, b in zip(executed, model.last_executed)], n + step
-        logits = logits[:, -1, :]
-        if temperature == 0:
-            idx_next = logits.argmax(dim=-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k is not None:
-                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                logits[logits < v[:, [-1]]] = -float("inf")
-            idx_next = torch.multinomial(F.softmax(logits.float(), dim=-1), num_samples=1)
-        idx = torch.cat((idx, idx_next), dim=1)
-    model.generate_stats = {"executed": executed, "tokens": n}
-    return idx
-
-
-def cached_step(model, idx, caches, pos):
-    """Logits of the last of the tokens idx [B, t] at positions pos.., appended to the caches."""
-    ctx = model._context(idx.numel(), pos=pos, caches=caches)
-    state = model.stream.embed(model.wte(idx))
-    for l in range(len(model.sublayers)):
-        state = model._sublayer(state, l, ctx)
-    model._finish(ctx)
-    return model.stream.head(_last_position(state), model.lm_head)[..., :model.config.vocab_size]
-
-
-class Visibility:
-    """What attention needs beyond causality, in one argument: key_bias [B, T] is added to the scores of
-    each token as a key (skip_middle's gated attention; -inf: never a key), query_bias [B, T] to those
-    of each token as a query (the published skip_middle code's axis), and cache is a KVCache the T
-    tokens are appended to (generation)."""
-
-    def __init__(self, key_bias=None, query_bias=None, cache=None):
-        self.key_bias, self.query_bias, self.cache = key_bias, query_bias, cache
-
-    @staticmethod
-    def of(route, cache):
-        """The visibility of a sublayer that runs `route` (None: every token) with `cache`; None when
-        plain causal attention is all it takes."""
-        key_bias, query_bias = (None, None) if route is None else (route.key_bias, route.query_bias)
-        if cache is not None and route is not None and route.valid is not None:  # padding is never a key later on
-            key_bias = torch.where(route.valid.squeeze(-1), 0.0 if key_bias is None else key_bias, float("-inf"))
-        if key_bias is None and query_bias is None and cache is None:
-            return None
-        return Visibility(key_bias, query_bias, cache)
-
-    def keys(self, k, v):
-        """(k, v, mask, causal) for queries that are the T new tokens of k, v [B, nh, T, hd]: the keys
-        to attend to (the cache's, when there is one), an additive mask or None, and whether plain
-        causality applies where there is no mask."""
-        B, T = k.size(0), k.size(2)
-        if self.cache is not None:
-            k, v, bias = self.cache.append(k, v, self.key_bias)
-            if self.cache.unbiased and self.query_bias is None and (T == 1 or self.cache.n == T):
-                return k, v, None, T > 1  # one new token sees every cached key; a first window is plainly causal
-            return k, v, attention_mask(bias, T, self.query_bias), True
-        bias = self.key_bias if self.key_bias is not None else k.new_zeros(B, T, dtype=torch.float32)
-        return k, v, attention_mask(bias, T, self.query_bias), True
-
-
-def attention_mask(bias, t, query_bias=None):
-    """Additive mask [B, 1, t, n] for the last t of n keys as queries: causal, plus each key's bias
-    [B, n] (and, if given, each query's bias [B, t] along its row). A query always sees itself: a
-    token that runs the sublayer has a finite bias anyway, and padding (or a soft-path token with
-    gate 0, whose output is discarded) must not get a row of -inf, whose softmax is NaN."""
-    n = bias.size(1)
-    q = torch.arange(n - t, n, device=bias.device)[:, None]
-    k = torch.arange(n, device=bias.device)[None, :]
-    mask = torch.where(k <= q, bias[:, None, :], float("-inf"))
-    mask = torch.where(k == q, mask.clamp(min=math.log(GATE_FLOOR)), mask)
-    if query_bias is not None:  # one constant per row: softmax cancels it (skip_middle_gate_axis=query)
-        mask = mask + query_bias[:, :, None]
-    return mask[:, None]
-
-
-class KVCache:
-    """Keys and values of the tokens that ran one attention sublayer, for generation. Under MoD the
-    rows of a batch keep different tokens, so every slot has an additive bias per row: 0 for a key,
-    -inf where that row did not run the token (skip_middle: the key's log-gate). unbiased: no slot
-    so far was given a bias (every bias 0), so attention needs no mask beyond causality."""
-
-    def __init__(self, size):
-        self.size, self.n, self.k, self.unbiased = size, 0, None, True
-
-    def append(self, k, v, bias):
-        """Add t slots (k, v [B, nh, t, hd], bias [B, t], None: 0); return every slot so far."""
-        if bias is None:
-            bias = k.new_zeros(k.size(0), k.size(2), dtype=torch.float32)
-        else:
-            self.unbiased = False
-        B, nh, t, hd = k.shape
-        if self.k is None:
-            self.k, self.v = k.new_zeros(B, nh, self.size, hd), v.new_zeros(B, nh, self.size, hd)
-            self.bias = bias.new_full((B, self.size), float("-inf"))
-        if self.n + t > self.size:
-            raise RuntimeError(f"KV cache full ({self.size} slots): restart it")
-        self.k[:, :, self.n:self.n + t], self.v[:, :, self.n:self.n + t] = k, v
-        self.bias[:, self.n:self.n + t] = bias
-        self.n += t
-        return self.k[:, :, :self.n], self.v[:, :, :self.n], self.bias[:, :self.n]
-
-
-# -----------------------------------------------------------------------------
-# every mode's options are GPTConfig keys: one source, the modes' own declarations
-
-def option_owners():
-    """{option: (its default, its valid values or None, "residual" or "mod", the mode names that take it)}.
-    Two modes may share an option only with the same default and values (GPTConfig has one field for it):
-    else a TypeError names both."""
-    owners = {}
-    for key, registry in (("residual", RESIDUALS), ("mod", MODS)):
-        for name, cls in registry.items():
-            for option, spec in getattr(cls, "options", {}).items():
-                choices = spec if isinstance(spec, tuple) else None
-                default = choices[0] if choices else spec
-                known = owners.setdefault(option, (default, choices, key, []))
-                if (known[0], known[1], known[2]) != (default, choices, key):
-                    raise TypeError(f"option {option!r}: {name} declares {spec!r}, {known[3][0]} declares "
-                                    f"{known[1] or known[0]!r}; modes that share an option declare it alike")
-                known[3].append(name)
-    return owners
-
-
-OPTIONS = option_owners()
-
-
-def check_modes(config):
-    """The mode switches, every mode's options, and the modes' own checks: one-line errors that name the fix."""
-    if not 0.0 <= config.mod_rate < 1.0:
-        raise ValueError(f"mod_rate must be in [0, 1), got {config.mod_rate}")
-    if config.value_residual not in VALUE_RESIDUALS:
-        raise ValueError(f"unknown value_residual {config.value_residual!r}; valid: {', '.join(VALUE_RESIDUALS)}")
-    if config.value_residual != "none" and config.mod != "none":
-        raise ValueError(f"value_residual={config.value_residual} needs every token to run the first attention "
-                         f"sublayer, whose values the later ones mix in: use mod=none or value_residual=none")
-    for key, registry in (("residual", RESIDUALS), ("mod", MODS)):
-        if getattr(config, key) not in registry:
-            raise ValueError(f"unknown {key} '{getattr(config, key)}'; valid: {', '.join(registry)}")
-    chosen = {"residual": config.residual, "mod": config.mod}
-    for name, (default, choices, key, modes) in OPTIONS.items():
-        value = getattr(config, name)
-        if choices is not None and (value not in choices or type(value) is not type(choices[0])):
-            raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(map(str, choices))}")
-        if value != default and chosen[key] not in modes:
-            raise ValueError(f"{name}={value} only applies to {key}={' or '.join(modes)}; "
-                             f"remove --{name} or set --{key}={modes[-1]}")
-    residual, mod = RESIDUALS[config.residual], MODS[config.mod]
-    works_with = {m: [r for r, cls in RESIDUALS.items() if m in cls.mods] for m in MODS if MODS[m]}
-    if mod is None and config.mod_rate > 0:
-        raise ValueError(f"mod_rate={config.mod_rate} needs a mod: set " + ", ".join(
-            f"--mod={m} ({' or '.join(rs)})" for m, rs in works_with.items()))
-    if mod is not None and config.mod not in residual.mods:
-        fix = (f"mod={' or '.join(residual.mods)}, or " if residual.mods else "") + \
-            f"residual={' or '.join(works_with[config.mod])}"
-        raise ValueError(f"mod={config.mod} does not work with residual={config.residual}; use {fix}")
-    residual.check(config)
-    if mod is not None:
-        mod.check(config)
-
-
-GPTConfig = make_dataclass(  # the backbone's fields, then each mode's options with their defaults
-    "GPTConfig", [(name, Any, field(default=spec[0])) for name, spec in OPTIONS.items()],
-    bases=(GPTConfig,), namespace={"__doc__": GPTConfig.__doc__, "__module__": __name__})

@@ -41,7 +41,7 @@ DEFAULTS = dict(
     final_eval_tokens=2 ** 18,  # the run's end: one eval on the val split's first this-many tokens (all of a shorter split; final_eval.json); 0: none
     always_save_checkpoint=True,  # False: save only when the val loss improves
     init_from="scratch",  # 'scratch' or 'resume'
-    diagnose=False,  # log model.diagnostics() of a fixed val batch with every eval (plot with plot.py)
+    diagnose=False,  # log model.py's diagnose() of a fixed val batch with every eval (plot with plot.py)
     # wandb logging (nanoGPT's keys): each eval's log.jsonl numbers go to Weights & Biases too; needs pip install wandb
     wandb_log=False,  # True: each eval's numbers go to Weights & Biases too
     wandb_project="nanodepth",  # the W&B project of wandb_log

@@ -128,26 +128,25 @@ def main(argv):
 @contextlib.contextmanager
 def last_position_routing(model, batch, ran):
     """Within the block, each forward pass of the model (a generate() step, with the KV cache or without)
-    appends to `ran` a list, per sublayer, of how many of the batch's rows ran it at their last position:
-    the position whose logits the next token is sampled from. The passes record their routes as
-    model.routing() has them record (instance attributes shadow the methods; model.py is untouched)."""
-    context, finish = model._context, model._finish
+    records its routes, as routing() has it (an instance attribute shadows GPT.new_context; model.py is
+    untouched); on leaving, `ran` gets a list per pass, per sublayer, of how many of the batch's rows ran it
+    at their last position: the position whose logits the next token is sampled from."""
+    made, new_context = [], model.new_context
 
     def recording_context(*args, **kwargs):
-        ctx = context(*args, **kwargs)
-        ctx["routes"] = {}
+        ctx = new_context(*args, **kwargs)
+        ctx.routes = {}
+        made.append(ctx)
         return ctx
-
-    def recording_finish(ctx):
-        finish(ctx)
-        T, routes = ctx["tokens"] // batch, ctx["routes"]
-        ran.append([batch if routes.get(l) is None or routes[l].idx is None else
-                    int(routes[l].ran(batch, T, routes[l].idx.device)[:, -1].sum()) for l in range(len(model.sublayers))])
-    model._context, model._finish = recording_context, recording_finish
+    model.new_context = recording_context
     try:
         yield
     finally:
-        del model._context, model._finish
+        del model.new_context
+    for ctx in made:
+        T, routes = ctx.tokens // batch, ctx.routes
+        ran.append([batch if routes.get(l) is None or routes[l].idx is None else
+                    int(routes[l].ran(batch, T, routes[l].idx.device)[:, -1].sum()) for l in range(len(model.sublayers))])
 
 
 def skip_rate_line(executed, tokens):

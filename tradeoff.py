@@ -29,7 +29,7 @@ per-sublayer ones (see README, "Mixture-of-Depths").
 Each q is then evaluated in eval mode on the same `eval_iters` val batches (train.py's estimate_loss
 batches: seed EVAL_SEED, so the q = 0 loss is the dense val loss train.py logs for the same
 batch_size and eval_iters): the mean loss, the realised executed fraction of every sublayer
-(GPT.executed_fraction(), averaged over the batches) and the executed forward FLOPs per token,
+(model.py's executed_fraction of each forward's counts, averaged over the batches) and the executed forward FLOPs per token,
 sum(flops.forward_flops(config, exec_frac).values()). A mod=nag checkpoint whose training left finite
 thresholds also gets a row for its own tau ("checkpoint").
 
@@ -48,7 +48,7 @@ import torch
 
 from configurator import ConfigError, configure
 from flops import forward_flops
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, executed_fraction
 from run_config import (EVAL_SEED, check_same_dataset, find_data, get_batch, load_checkpoint, pick_device,
                         sublayer_names)
 
@@ -195,9 +195,9 @@ def evaluate(model, batches, tau, autocast):
     losses, frac = [], [0.0] * model.config.n_sublayers
     for X, Y in batches:
         with autocast:
-            _, loss = model(X, Y)
+            _, loss, executed = model(X, Y, executed=True)
         losses.append(loss.item())
-        frac = [a + b for a, b in zip(frac, model.executed_fraction())]
+        frac = [a + b for a, b in zip(frac, executed_fraction(executed, X.numel()))]
     return sum(losses) / len(losses), [f / len(batches) for f in frac]
 
 

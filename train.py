@@ -39,7 +39,7 @@ from guards import (Interrupted, RunKeeper, StopSignals, TrainingStopped, ZeroGr
                     check_resume_changes, claim_out_dir, command_line, explicit_keys,
                     keep_best_checkpoint, key_sources, repair_torn_log, resolve_model_args, restore_rng,
                     resumed_config, rng_state, set_aside_previous_run, write_run_record)
-from model import GPT
+from model import GPT, diagnose, executed_fraction
 from plan import RunPlan
 from run_config import (DEFAULTS, EVAL_SEED, HELP_FROM, check_same_dataset, dataset_vocab, find_data, format_duration,
                         get_batch, keep_freed_memory, load_checkpoint, model_config, muon_settings, pick_device,
@@ -316,12 +316,12 @@ class Trainer:
         recent = (flops - self.flops_last) / (n * self.tokens_per_iter) if n else self.flops_per_token
         record["mfu"] = mfu(recent, record["tokens_per_s"], self.gpu_name, self.world)
         if self.gptconf.mod != "none":
-            record.update(executed_fractions(self.stats, self.raw_model, cfg["eval_iters"], self.iter_num))
+            record.update(executed_fractions(self.stats, losses["executed"], self.iter_num))
         if cfg["diagnose"]:
             X, _ = get_batch(self.paths["val"], cfg["batch_size"], cfg["block_size"],
                              torch.Generator().manual_seed(EVAL_SEED), self.device)
             with self.autocast:
-                record["diagnostics"] = self.raw_model.diagnostics(X)
+                record["diagnostics"] = diagnose(self.raw_model, X)
         record["residual"] = cfg["residual"]  # plot.py's labels and tables
         return record
 
@@ -595,13 +595,13 @@ def train_step(model, raw_model, optimizer, scaler, batches, stats, accum, autoc
         sync = contextlib.nullcontext() if (not ddp or micro == accum - 1) else model.no_sync()
         with sync:
             with autocast:
-                _, loss = model(X, Y)
+                _, loss, executed = model(X, Y, executed=True)
                 loss = loss / accum
             scaler.scale(loss).backward()
         if scaler.is_enabled():
             flag = (~torch.isfinite(loss.detach())).float()
             loss_bad = flag if loss_bad is None else torch.maximum(loss_bad, flag)
-        stats.micro_step(raw_model.last_executed, raw_model.last_tokens)
+        stats.micro_step(executed, X.numel())
     scaler.unscale_(optimizer)  # a no-op without fp16; the norm below must be of the true gradients
     params = [p for p in model.parameters() if p.grad is not None]
     # foreach: one op over all the gradients, on a CPU too (torch picks it by itself on a GPU only); the same sums
@@ -743,48 +743,67 @@ def leave_process_group(barrier=True):
 # -----------------------------------------------------------------------------
 # evals: the losses of each eval iteration, and the run's final eval
 
-def executed_fractions(stats, model, eval_iters, iter_num):
+def executed_fractions(stats, eval_fraction, iter_num):
     """MoD's executed fraction per sublayer, log.jsonl's exec_train and exec_eval (None: none yet), their
     means printed: the mean over the training micro-steps since the last eval, and eval routing
-    (thresholds tau) on the last val batch."""
-    fracs = {"train": [x / stats.exec_n for x in stats.exec_sum] if stats.exec_n else None,
-             "eval": model.executed_fraction() if eval_iters else None}
+    (thresholds tau) on the last val batch (estimate_loss's "executed")."""
+    fracs = {"train": [x / stats.exec_n for x in stats.exec_sum] if stats.exec_n else None, "eval": eval_fraction}
     print(f"step {iter_num}: executed fraction (mean over sublayers) " + ", ".join(
         f"{k} {sum(frac) / len(frac):.3f}" for k, frac in fracs.items() if frac is not None))
     return {f"exec_{k}": None if frac is None else [round(x, 4) for x in frac] for k, frac in fracs.items()}
 
 
-@torch.no_grad()
-def estimate_loss(model, paths, cfg, device, autocast, stopped, progress):
-    """Mean loss on eval_iters fixed batches (seed EVAL_SEED) of each split, in eval mode; None when stopped()
-    (a stop signal): it is checked between batches, so an eval (an hour for a GPU-sized model on a CPU) never
-    holds a stop up by more than a batch. An eval running longer than EVAL_PROGRESS_S calls progress(done, n,
-    seconds, counts: the batches of each split) that often. The model's mode (train) is restored after."""
-    iters = cfg["eval_iters"]
-    n, done = 2 * iters, 0
+def eval_loop(model, n, batch, use, autocast, stopped, progress, counts):
+    """What estimate_loss and final_eval share: n batches (X, Y) = batch(k) through the model in eval mode (no
+    dropout: an eval depends on the weights alone, not on the RNG; the mode is restored after), under autocast.
+    Returns [use(X, Y, logits, loss, executed) for each batch], or None when stopped() (a stop signal, checked
+    between batches) broke it off: an eval (an hour for a GPU-sized model on a CPU) never holds a stop up by
+    more than a batch. An eval running longer than EVAL_PROGRESS_S calls progress(done, n, seconds,
+    counts(done)) that often."""
     t_start = t_shown = time.time()
     training = model.training
-    model.eval()  # no dropout: an eval depends on the weights alone, not on the RNG
-    out = {}
+    model.eval()
+    out = []
     try:
-        for split in ("train", "val"):
-            g = torch.Generator().manual_seed(EVAL_SEED)
-            losses = torch.zeros(cfg["eval_iters"])
-            for k in range(cfg["eval_iters"]):
-                if stopped():
-                    return None
-                X, Y = get_batch(paths[split], cfg["batch_size"], cfg["block_size"], g, device)
-                with autocast:
-                    _, loss = model(X, Y)
-                losses[k] = loss.item()
-                done, now = done + 1, time.time()
-                if now - t_shown >= EVAL_PROGRESS_S and done < n:
-                    t_shown = now
-                    progress(done, n, now - t_start, f"train {min(done, iters)}/{iters}, val {max(done - iters, 0)}/"
-                                                     f"{iters} batches")
-            out[split] = losses.mean().item()
+        for k in range(n):
+            if stopped():
+                return None
+            X, Y = batch(k)
+            with autocast:
+                logits, loss, executed = model(X, Y, executed=True)
+            out.append(use(X, Y, logits, loss, executed))
+            now = time.time()
+            if now - t_shown >= EVAL_PROGRESS_S and k + 1 < n:
+                t_shown = now
+                progress(k + 1, n, now - t_start, counts(k + 1))
     finally:
         model.train(training)
+    return out
+
+
+@torch.no_grad()
+def estimate_loss(model, paths, cfg, device, autocast, stopped, progress):
+    """Mean loss on eval_iters fixed batches (seed EVAL_SEED) of each split, and "executed": the executed
+    fraction per sublayer of the last val batch (None without batches); None when stopped() broke it off
+    (eval_loop)."""
+    iters, g = cfg["eval_iters"], {}
+
+    def batch(k):
+        split = "train" if k < iters else "val"
+        if k % iters == 0:
+            g[split] = torch.Generator().manual_seed(EVAL_SEED)
+        return get_batch(paths[split], cfg["batch_size"], cfg["block_size"], g[split], device)
+
+    def counts(done):
+        return f"train {min(done, iters)}/{iters}, val {max(done - iters, 0)}/{iters} batches"
+
+    runs = eval_loop(model, 2 * iters, batch, lambda X, Y, logits, loss, executed: (loss.item(), executed, X.numel()),
+                     autocast, stopped, progress, counts)
+    if runs is None:
+        return None
+    out = {split: torch.tensor([loss for loss, _, _ in part], dtype=torch.float32).mean().item()
+           for split, part in (("train", runs[:iters]), ("val", runs[iters:]))}
+    out["executed"] = executed_fraction(*runs[-1][1:]) if runs else None
     return out
 
 
@@ -810,24 +829,21 @@ def final_eval(model, val_path, cfg, device, autocast, iter_num, path, stopped, 
     data = np.memmap(val_path, dtype=np.uint16, mode="r")
     windows = max(min(cfg["final_eval_tokens"], len(data) - 1) // T, 1)
     B = min(cfg["batch_size"], windows)
-    n, losses, t_start, t_shown = windows // B, [], time.time(), time.time()
-    training = model.training
-    model.eval()  # no dropout: the same loss for one model, whatever the RNG (restored after)
-    try:
-        for k in range(n):
-            if stopped():
-                return False
-            rows = [data[i * T:(i + 1) * T + 1].astype(np.int64) for i in range(k * B, (k + 1) * B)]
-            xy = torch.from_numpy(np.stack(rows)).to(device)
-            with autocast:
-                logits, _ = model(xy[:, :-1], xy[:, 1:])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), xy[:, 1:].flatten(), reduction="none")
-            losses.append(loss.view(B, T).mean(1).cpu())
-            if time.time() - t_shown >= EVAL_PROGRESS_S and k + 1 < n:
-                t_shown = time.time()
-                progress(k + 1, n, t_shown - t_start, f"{k + 1}/{n} batches of the final eval")
-    finally:
-        model.train(training)
+    n, t_start = windows // B, time.time()
+
+    def batch(k):
+        rows = [data[i * T:(i + 1) * T + 1].astype(np.int64) for i in range(k * B, (k + 1) * B)]
+        xy = torch.from_numpy(np.stack(rows)).to(device)
+        return xy[:, :-1], xy[:, 1:]
+
+    def window_losses(X, Y, logits, loss, executed):
+        loss = F.cross_entropy(logits.float().flatten(0, 1), Y.flatten(), reduction="none")
+        return loss.view(B, T).mean(1).cpu()
+
+    losses = eval_loop(model, n, batch, window_losses, autocast, stopped, progress,
+                       lambda done: f"{done}/{n} batches of the final eval")
+    if losses is None:
+        return False
     per_window = torch.cat(losses).double()
     mean, se = per_window.mean().item(), (per_window.std().item() / len(per_window) ** 0.5 if n * B > 1 else 0.0)
     record = {"iter": iter_num, "val_loss": round(mean, 6), "val_se": round(se, 6),

@@ -4,10 +4,10 @@
 # same two cells train at half the batch (6 sequences of 64 tokens), so twice the steps (318, warm-up 32) at the same
 # FLOPs, same LR and schedule rule, same 5 seeds: does nag's gain over prenorm at 16 layers survive?
 #
-# 2 cells x 5 seeds = 10 runs, about 0.1 hours on 2 cores (flops.py plan ... --like=docs/sweep_depth_multiplier_cpu.csv;
+# 2 cells x 5 seeds = 10 runs, about 0.1 hours on 2 cores (flops.py plan ... --like=results/sweep_depth_multiplier_cpu.csv;
 # a half batch's steps cost more per FLOP than it says), two at a time (resumable):
 # OMP_NUM_THREADS=1 python flops.py sweep config/sweep_depth_halfbatch_cpu.py
-# python flops.py results docs/sweep_depth_halfbatch_cpu.csv   # nag against prenorm, paired over the seeds
+# python flops.py results results/sweep_depth_halfbatch_cpu.csv   # nag against prenorm, paired over the seeds
 
 sweep_name = "sweep_depth_halfbatch_cpu"
 train_config = "config/shakespeare_char_cpu.py"

@@ -2,7 +2,7 @@
 # depth"): does a design use depth better, and does it move the compute-optimal depth? Width 128, character-level
 # Shakespeare (config/shakespeare_char_cpu.py's model and recipe), 5 seeds. The shallow end (1, 2, 3 layers) is there
 # so that each budget's best depth has a measured depth on both sides (at 5e12 prenorm's 2 layers beat its 4 by 0.14,
-# docs/sweep_shakespeare_cpu.csv): an optimum on the grid's edge is named as one, and gives no frontier figure.
+# results/sweep_shakespeare_cpu.csv): an optimum on the grid's edge is named as one, and gives no frontier figure.
 #
 # The designs run at 2.5e12 and 1e13 training FLOPs; prenorm, the baseline, at 1.25e12 to 2e13 (5 budgets, 2x apart),
 # half the designs' smallest budget and twice their largest, so that a design's loss is read inside the range
@@ -32,7 +32,7 @@
 # --val_bin=data/shakespeare_char/val.bin.)
 #
 # 34 design cells x 2 budgets + 8 of them at 2e13 + 6 baseline cells x 5 budgets, x 5 seeds: 530 runs, about 15
-# hours on 2 cores (python flops.py plan config/sweep_depth_multiplier_cpu.py --like=docs/sweep_depth_multiplier_cpu.csv:
+# hours on 2 cores (python flops.py plan config/sweep_depth_multiplier_cpu.py --like=results/sweep_depth_multiplier_cpu.csv:
 # the committed runs' seconds per FLOP; the 235 runs at 4, 8 and 16 layers took 6), two at a time, smallest budget
 # first, seed by seed (resumable: run it again; finished runs are skipped; --cells="['prenorm_L1', ...]" runs some
 # cells first, and --cell_budgets="{'nag_L2': [2e13]}" some budgets of them):

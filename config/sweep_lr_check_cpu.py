@@ -6,9 +6,9 @@
 # choice is judged on.
 #
 # 7 designs x 6 (optimizer, LR) = 42 runs, about 0.8 hours on 2 cores, two at a time (flops.py plan ... --like=
-# docs/sweep_depth_multiplier_cpu.csv; resumable):
+# results/sweep_depth_multiplier_cpu.csv; resumable):
 # OMP_NUM_THREADS=1 python flops.py sweep config/sweep_lr_check_cpu.py
-# python flops.py results docs/sweep_lr_check_cpu.csv   # every (design, optimizer, LR) cell's final val loss
+# python flops.py results results/sweep_lr_check_cpu.csv   # every (design, optimizer, LR) cell's final val loss
 
 sweep_name = "sweep_lr_check_cpu"
 train_config = "config/shakespeare_char_cpu.py"

@@ -1,9 +1,9 @@
 # Compute multipliers (docs/flops.md, "Compute multipliers"): every residual design at 4 budgets spanning
 # 8x, at one shape, 3 seeds. The shape is the quickstart's (4 layers, width 128, config/shakespeare_char_cpu.py):
-# the depth at which the iso-FLOP sweep (docs/sweep_shakespeare_cpu.csv) finds the designs closest to
+# the depth at which the iso-FLOP sweep (results/sweep_shakespeare_cpu.csv) finds the designs closest to
 # their best at 5e12 FLOPs, so the curves are not dominated by a too-deep model's slow start, and the one
 # that fits the grid in about 3 hours on 2 cores. The top budget, 5e12, is that sweep's: its prenorm and
-# block_attnres runs repeat docs/sweep_shakespeare_cpu.csv's L4 runs to the digit (nag's within 2e-4).
+# block_attnres runs repeat results/sweep_shakespeare_cpu.csv's L4 runs to the digit (nag's within 2e-4).
 # Each run's schedule: train.py turns the budget into iterations, decays the LR (cosine, 1e-3 to 1e-4) over all of
 # them, and warms up for the recipe's 100 iterations capped at 10% of them (rounded up). For prenorm: 158, 315, 631
 # and 1261 iterations at 6.25e11, 1.25e12, 2.5e12 and 5e12, warm-up 16, 32, 64 and 100 (the designs' iterations

@@ -7,7 +7,7 @@
 # run's schedule is the recipe's: warm-up min(100, ceil(10% of its iterations)), cosine to 1e-4 at its end.
 # 72 runs, two at a time, smallest budget first (resumable: run it again); about 1.5 hours on 2 idle cores:
 # OMP_NUM_THREADS=1 python flops.py sweep config/sweep_muon_cpu.py
-# python flops.py optimizers docs/sweep_muon_*.csv docs/sweep_multiplier_cpu.csv docs/sweep_shakespeare*_cpu.csv
+# python flops.py optimizers results/sweep_muon_*.csv results/sweep_multiplier_cpu.csv results/sweep_shakespeare*_cpu.csv
 
 sweep_name = "sweep_muon_cpu"
 train_config = "config/shakespeare_char_cpu.py"

@@ -1,7 +1,7 @@
 # mhc in the iso-FLOP depth sweep of config/sweep_shakespeare_cpu.py (width 128, 2/4/8 layers, 5e12
 # training FLOPs per run, mhc's extra FLOPs counted, so it trains fewer iterations), 3 seeds. Read
 # beside prenorm, nag and block_attnres with
-# python flops.py results docs/sweep_shakespeare_cpu.csv docs/sweep_shakespeare_mhc_cpu.csv
+# python flops.py results results/sweep_shakespeare_cpu.csv results/sweep_shakespeare_mhc_cpu.csv
 # 9 runs, two at a time: about 35 minutes on 2 idle cores (7 to 8 minutes a run):
 # OMP_NUM_THREADS=1 python flops.py sweep config/sweep_shakespeare_mhc_cpu.py
 

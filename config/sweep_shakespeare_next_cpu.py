@@ -4,7 +4,7 @@
 # layers, 3 seeds: the recipe of that sweep, whose prenorm, nag and block_attnres L8 runs are the
 # baseline. At 4 layers the same cells are config/sweep_multiplier_cpu.py's 5e12 budget, beside every
 # other mode. Read beside them with
-# python flops.py results docs/sweep_shakespeare_cpu.csv docs/sweep_shakespeare_next_cpu.csv --baseline=prenorm_L8
+# python flops.py results results/sweep_shakespeare_cpu.csv results/sweep_shakespeare_next_cpu.csv --baseline=prenorm_L8
 # 18 runs, two at a time: 30 minutes on 2 idle cores (mhc_lite's and mudd's runs take up to twice prenorm's):
 # OMP_NUM_THREADS=1 python flops.py sweep config/sweep_shakespeare_next_cpu.py
 

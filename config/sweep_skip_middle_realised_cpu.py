@@ -2,7 +2,7 @@
 # there its iterations come from its dense count, and its three seeds spend 81.4% of the budget (mean of
 # 6.87, 5.79, 6.61e12). This cell is given that budget / 0.814 counted dense (9.69e12: 1228 iterations),
 # which it spends as about the 7.89e12 of the other cells. Compared with them through
-# python flops.py results docs/sweep_skip_middle_cpu.csv docs/sweep_skip_middle_realised_cpu.csv --baseline=sandwich_L6
+# python flops.py results results/sweep_skip_middle_cpu.csv results/sweep_skip_middle_realised_cpu.csv --baseline=sandwich_L6
 # 3 seeds, 3 runs, two at a time on 2 cores: about 8 minutes a run (measured):
 # OMP_NUM_THREADS=1 python flops.py sweep config/sweep_skip_middle_realised_cpu.py
 

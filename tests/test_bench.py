@@ -315,8 +315,7 @@ def test_bench_sample_times_dense_and_routed(capsys, monkeypatch, routed):
         name = "dense" if tau.isnan().all() else "skip_all" if tau.isinf().all() else "routed"
         i = calls.count(name)
         calls.append(name)
-        model.generate_stats = {"executed": [n * (1 - SAMPLE_SKIPPED[name][i])] * len(model.sublayers), "tokens": n}
-        return times[name][i]
+        return times[name][i], {"executed": [n * (1 - SAMPLE_SKIPPED[name][i])] * len(model.sublayers), "tokens": n}
     monkeypatch.setattr(bench, "time_generate", fake_time_generate)
     result = bench.main(["--section=sample", "--device=cpu", f"--tokens={tokens}", "--pairs=3", "--layers=1",
                          "--width=8"])

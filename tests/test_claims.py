@@ -54,7 +54,7 @@ def printed(command):
     """What `python flops.py ...` prints, run in this process on the committed files (and the Shakespeare val
     split, prepared, where a command names it)."""
     argv = shlex.split(command)[2:]
-    argv = [str(REPO / a) if a.startswith("docs/") else a for a in argv]
+    argv = [str(REPO / a) if a.startswith("results/") else a for a in argv]
     argv = [f"--val_bin={shakespeare_split(os.path.basename(a))}" if a.startswith("--val_bin=data/shakespeare_char/")
             else a for a in argv]
     out = io.StringIO()
@@ -107,8 +107,8 @@ def test_a_changed_figure_is_caught():
 def test_the_depth_tables_figures_are_what_the_multiplier_command_prints():
     """The README's "Compute multipliers by depth" section: every decimal figure is printed by its command."""
     section = README.split("\n### Compute multipliers by depth\n", 1)[1].split("```bash", 1)[0]
-    command = ("python flops.py multiplier docs/sweep_depth_multiplier_cpu.csv --step_times=docs/step_times_cpu_1.csv,"
-               "docs/step_times_cpu_2.csv,docs/step_times_cpu_3.csv --val_bin=data/shakespeare_char/val.bin")
+    command = ("python flops.py multiplier results/sweep_depth_multiplier_cpu.csv --step_times=results/step_times_cpu_1.csv,"
+               "results/step_times_cpu_2.csv,results/step_times_cpu_3.csv --val_bin=data/shakespeare_char/val.bin")
     assert command in README.split("\n### Compute multipliers by depth\n", 1)[1]
     missing = stale(section, [command])
     assert not missing, f"the depth section quotes {missing}, not printed by {command}"

@@ -8,7 +8,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import bench
-from model import GPT, GPTConfig, RESIDUALS
+from model import GPT, GPTConfig, RESIDUALS, VARIANTS, executed_fraction
 
 pytest.importorskip("triton")
 SHAPE = dict(block_size=16, vocab_size=65, n_layer=2, n_head=2, n_embd=32)
@@ -70,12 +70,6 @@ def loss_and_grads(model, run, idx):
     return logits, loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-VARIANTS = {  # options that change what a mode computes (tests/test_new_mode.py's VARIANTS)
-    "mhc-birkhoff": dict(residual="mhc", mhc_res="birkhoff"),
-    "dwa-2x2": dict(residual="dwa", dwa_dilation=2, dwa_period=2),
-    "prenorm-norm_scaling": dict(residual="prenorm", norm_scaling=True),
-    "prenorm-value_residual": dict(residual="prenorm", value_residual="learned"),
-}
 CASES = {**{r: dict(residual=r) for r in RESIDUALS}, **VARIANTS, **{f"mod-{c}": kw for c, kw in MOD_CASES.items()}}
 
 
@@ -159,10 +153,10 @@ def test_mod_compiles_to_one_graph_without_recompiling(case):
     with torch.no_grad():
         for step in range(3):
             idx = batch(50 + step, B=3)
-            logits_c, loss_c = compiled(idx, idx)
-            exec_c = model.executed_fraction()
-            logits_e, loss_e = model(idx, idx)
-            executed.append(model.executed_fraction())
+            logits_c, loss_c, exec_c = compiled(idx, idx, executed=True)
+            exec_c = executed_fraction(exec_c, idx.numel())
+            logits_e, loss_e, exec_e = model(idx, idx, executed=True)
+            executed.append(executed_fraction(exec_e, idx.numel()))
             torch.testing.assert_close(logits_c, logits_e, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=0)
             assert exec_c == pytest.approx(executed[-1])  # the same routing, counted the same way

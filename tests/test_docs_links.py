@@ -1,12 +1,12 @@
-"""Every page in docs/ is reachable: each docs/*.md is the target of a Markdown link from README.md or from
-another docs page (14 generated sweep and routing tables were linked from nowhere), so a new page cannot
-be left an orphan."""
+"""Every page in docs/ and results/ is reachable: each docs/*.md and results/*.md is the target of a Markdown
+link from README.md or from another such page (14 generated sweep and routing tables were linked from nowhere),
+so a new page cannot be left an orphan."""
 import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
-DOCS = sorted((REPO / "docs").glob("*.md"))
+DOCS = sorted((REPO / "docs").glob("*.md")) + sorted((REPO / "results").glob("*.md"))
 
 
 def linked_pages():

@@ -18,7 +18,7 @@ import torch
 
 from fidelity import assert_same_gradients, perturb_backbone
 from model import GPT, GPTConfig
-from model import RESIDUALS  # noqa: E402
+from model import RESIDUALS, diagnose  # noqa: E402
 
 EPS = 1e-6  # the model's RMSNorm epsilon
 TOL = dict(rtol=1e-10, atol=1e-10)  # float64 end to end
@@ -180,7 +180,7 @@ def test_no_boundary_splits_a_layer():
 
 def sources_read(model, idx):
     """How many sources each sublayer (then the head) mixes, from the diagnostics."""
-    return [len(r.get("depth_weights", [0])) for r in model.diagnostics(idx)]
+    return [len(r.get("depth_weights", [0])) for r in diagnose(model, idx)]
 
 
 @pytest.mark.parametrize("n_layer, blocks, counts", [
@@ -260,13 +260,13 @@ def test_input_query_starts_as_the_uniform_mix():
 
 def test_sigmoid_gates_are_one_half_at_init():
     model = GPT(tiny(attnres_weights="sigmoid"))
-    for row in model.diagnostics(batch())[1:]:
+    for row in diagnose(model, batch())[1:]:
         assert row["depth_weights"] == pytest.approx([0.5] * len(row["depth_weights"]))
 
 
 @pytest.mark.parametrize("residual, blocks", [("attnres", None), ("block_attnres", 3)])
 def test_diagnostics_report_each_mixing_points_own_depth_weights(residual, blocks):
-    """diagnostics()' depth_weights of sublayer l, and of the head (l = 2L), are the reference's alpha at
+    """diagnose()'s depth_weights of sublayer l, and of the head (l = 2L), are the reference's alpha at
     mixing point l averaged over the tokens, on a model whose queries and key-norm weights are random:
     every point's softmax is its own, so a row that reads another point's query or sources fails (at
     init every query is 0 and every row is uniform, whatever it reads)."""
@@ -274,7 +274,7 @@ def test_diagnostics_report_each_mixing_points_own_depth_weights(residual, block
     idx = batch()
     record = {}
     reference_logits(model, idx, 2 if blocks else None, record=record)  # L = 4, N = 3: k = 2
-    rows = model.diagnostics(idx)
+    rows = diagnose(model, idx)
     assert "depth_weights" not in rows[0] and sorted(record) == list(range(1, len(rows)))
     assert rows[-1]["kind"] == "head"
     for l, row in enumerate(rows[1:], start=1):

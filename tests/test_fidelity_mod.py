@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 
 import flops
 from fidelity import assert_same_gradients, perturb_backbone
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, executed_fraction
 from model import TopKMoD  # noqa: E402
 from test_mod import spy_routes
 from test_step_sync import HostReads
@@ -182,8 +182,10 @@ def test_block_layout_shares_one_route_and_sublayer_layout_does_not(monkeypatch)
 def test_mod_every_routes_every_kth_block_and_keeps_mod_rate_overall():
     model = model_fp64(mod_every=2, mod_rate=0.25)
     assert TopKMoD.routed(model.config) == (0, 1, 4, 5) and len(model.mod.routers) == 2
-    train_logits(model, torch.randint(0, V, (2, T)))
-    frac = model.executed_fraction()
+    idx = torch.randint(0, V, (2, T))
+    model.train()
+    with torch.no_grad():
+        frac = executed_fraction(model(idx, idx, executed=True)[2], idx.numel())
     assert frac == [0.5, 0.5, 1.0, 1.0, 0.5, 0.5, 1.0, 1.0]  # odd blocks dense
     assert 1 - sum(frac) / len(frac) == 0.25  # mod_rate: the skipped share of (token, sublayer) pairs
     assert flops.forward_flops(model.config) == flops.forward_flops(model.config, frac)
@@ -240,8 +242,7 @@ def test_eval_routing_follows_the_predictor_not_the_threshold(monkeypatch):
     seen = spy_routes(monkeypatch, model)
     model.eval()
     with torch.no_grad():
-        model(idx, idx)
-        by_predictor = model.executed_fraction()
+        by_predictor = executed_fraction(model(idx, idx, executed=True)[2], idx.numel())
         for l, route, _, x in seen:
             if l % 4 == 0:  # each routed block's route, made at its attention
                 keep = model.mod.predict(x, l // 4) > 0
@@ -252,11 +253,9 @@ def test_eval_routing_follows_the_predictor_not_the_threshold(monkeypatch):
         assert by_predictor[2:4] == [1.0, 1.0] and by_predictor[6:] == [1.0, 1.0]
         model.mod.predictors[0][-1].bias.fill_(1e6)  # block 0: every token predicted in the top-k
         model.mod.predictors[1][-1].bias.fill_(-1e6)  # block 2: none
-        model(idx, idx)
-        assert model.executed_fraction() == [1.0] * 4 + [0.0, 0.0, 1.0, 1.0]
+        assert executed_fraction(model(idx, idx, executed=True)[2], idx.numel()) == [1.0] * 4 + [0.0, 0.0, 1.0, 1.0]
         model.mod.inference = "threshold"  # the same model routed by tau instead
-        model(idx, idx)
-        assert model.executed_fraction() != [1.0] * 4 + [0.0, 0.0, 1.0, 1.0]
+        assert executed_fraction(model(idx, idx, executed=True)[2], idx.numel()) != [1.0] * 4 + [0.0, 0.0, 1.0, 1.0]
 
 
 def test_the_predictor_loss_leaves_the_model_gradients_and_loss_alone():
@@ -295,10 +294,10 @@ def test_a_short_run_reports_its_eval_skip_rate(inference):
             bce.append(model.mod.predictor_bce.mean().item())
     model.eval()
     with torch.no_grad():
-        model(data[:, :-1])
-    skipped = 1 - sum(model.executed_fraction()) / (2 * L)
+        frac = executed_fraction(model(data[:, :-1], executed=True)[2], data[:, :-1].numel())
+    skipped = 1 - sum(frac) / (2 * L)
     assert 0.0 <= skipped <= 0.5  # routed blocks only: at most half of the pairs (the target is 0.25)
-    assert model.executed_fraction()[2:4] == [1.0, 1.0]
+    assert frac[2:4] == [1.0, 1.0]
     if inference == "predictor":
         assert sum(bce[-5:]) / 5 < 0.9 * sum(bce[:5]) / 5, bce
 
@@ -332,11 +331,10 @@ def test_the_paper_configuration_compiles_to_one_graph():
     model.eval()
     with torch.no_grad():
         idx = torch.randint(0, V, (3, T))
-        logits_c, _ = compiled(idx, idx)
-        exec_c = model.executed_fraction()
-        logits_e, _ = model(idx, idx)
+        logits_c, _, exec_c = compiled(idx, idx, executed=True)
+        logits_e, _, exec_e = model(idx, idx, executed=True)
     torch.testing.assert_close(logits_c, logits_e, rtol=1e-5, atol=1e-5)
-    assert exec_c == pytest.approx(model.executed_fraction())
+    assert executed_fraction(exec_c, idx.numel()) == pytest.approx(executed_fraction(exec_e, idx.numel()))
     torch._dynamo.reset()
 
 
@@ -350,8 +348,7 @@ def test_kv_cache_sampling_equals_recomputation(residual):
     model.eval()
     prompt = torch.randint(0, V, (2, 4))
     with torch.no_grad():
-        cached = model.generate(prompt, 10, temperature=0, kv_cache=True)
-        stats = model.generate_stats
+        cached, stats = model.generate(prompt, 10, temperature=0, kv_cache=True, stats=True)
         assert torch.equal(cached, model.generate(prompt, 10, temperature=0, kv_cache=False))
     routed = [e / stats["tokens"] for l, e in enumerate(stats["executed"]) if l in TopKMoD.routed(model.config)]
     assert any(0 < f < 1 for f in routed), routed

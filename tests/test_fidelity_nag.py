@@ -21,7 +21,7 @@ import plan
 import train
 from configurator import ConfigError, configure
 from fidelity import assert_same_gradients, perturb_backbone
-from model import GPT, NAG, GPTConfig, Modulator
+from model import GPT, NAG, GPTConfig, Modulator, diagnose
 from run_config import DEFAULTS
 
 TOL = dict(rtol=1e-5, atol=1e-10)  # float64; the head's RMS epsilon (1e-6) is the only approximation
@@ -296,11 +296,11 @@ def test_alpha_scale_scales_the_tangent():
     torch.manual_seed(0)
     model = GPT(tiny()).double()
     idx = torch.randint(0, 65, (2, 8))
-    full = model.diagnostics(idx)
+    full = diagnose(model, idx)
     model.stream.alpha_scale.fill_(0.5)
-    half = model.diagnostics(idx)
+    half = diagnose(model, idx)
     model.stream.alpha_scale.fill_(0.0)
-    off = model.diagnostics(idx)
+    off = diagnose(model, idx)
     for f, h, o in zip(full[:-1], half[:-1], off[:-1]):
         assert o["gain"] == 0 and o["update"] == pytest.approx(0, abs=1e-12)
         assert f["gain"] > 0.1
@@ -345,7 +345,7 @@ def test_diagnostics_floor_fraction_and_dead_branches():
     e = model.wte(idx).double()
     expected = ((e - e.mean(-1, keepdim=True))[..., 0] > 0).double().mean().item()
     assert 0.2 < expected < 0.8
-    rows = model.diagnostics(idx)
+    rows = diagnose(model, idx)
     assert rows[0]["floor"] == pytest.approx(expected)
     assert rows[1]["floor"] == 1.0 and rows[1]["dead"] == 1.0
     assert rows[1]["gain"] == pytest.approx(model.stream.alpha[1].item() * 1e-6)  # beta = 1: a = alpha 1e-6

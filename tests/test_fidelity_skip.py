@@ -21,7 +21,7 @@ import torch
 
 from fidelity import assert_same_gradients, perturb_backbone
 from model import GPT, CausalSelfAttention, GPTConfig, SkipMiddle, rope_table
-from model import Visibility  # noqa: E402
+from model import Visibility, executed_fraction  # noqa: E402
 
 L, T, C, H, V, B = 6, 16, 32, 2, 65, 2
 F64 = torch.float64
@@ -217,13 +217,14 @@ def test_gated_model_matches_the_reference_with_its_gradients():
             p.add_(0.2 * torch.randn(p.shape, generator=g, dtype=F64))
     perturb_backbone(model, seed=2)  # blocks that move the stream, so a wrong gate shows
     idx = batches(1, seed=4)[0]
-    logits, _ = model(idx, idx)
+    logits, _, executed = model(idx, idx, executed=True)
+    frac = executed_fraction(executed, idx.numel())
     gates = []
     reference = reference_logits(model, idx, record=gates)
     gates = torch.stack(gates)
     assert (gates == 0).any() and (gates == 1).any() and ((gates > 0) & (gates < 1)).sum() >= 10
     assert gates[gates > 0].min() > 1e-3  # the model's log-gate floor (1e-6) never binds
-    assert 0 < min(model.executed_fraction()) < max(model.executed_fraction()) < 1  # gathered, padded rows
+    assert 0 < min(frac) < max(frac) < 1  # gathered, padded rows
     torch.testing.assert_close(logits, reference, rtol=1e-10, atol=1e-10)
     assert_same_gradients(model, logits, reference)
 
@@ -318,8 +319,8 @@ def test_query_axis_model_runs_every_token_and_its_bias_does_nothing(monkeypatch
     idx = batches(1, seed=3)[0]
     query = model_fp64(skip_middle_gate_axis="query").eval()
     with torch.no_grad():
-        logits = query(idx, idx)[0]
-        assert query.executed_fraction() == [1.0] * (2 * L)
+        logits, _, executed = query(idx, idx, executed=True)
+        assert executed_fraction(executed, idx.numel()) == [1.0] * (2 * L)
         make = query.mod.gate_route
 
         def unbiased(state, block, ctx):
@@ -329,8 +330,9 @@ def test_query_axis_model_runs_every_token_and_its_bias_does_nothing(monkeypatch
         monkeypatch.setattr(query.mod, "gate_route", unbiased)
         torch.testing.assert_close(query(idx, idx)[0], logits, rtol=1e-10, atol=1e-10)
         key = model_fp64().eval()
-        assert (key(idx, idx)[0] - logits).abs().max() > 1e-3
-        assert min(key.executed_fraction()) < 1.0
+        key_logits, _, executed = key(idx, idx, executed=True)
+        assert (key_logits - logits).abs().max() > 1e-3
+        assert min(executed_fraction(executed, idx.numel())) < 1.0
 
 
 @pytest.mark.parametrize("kw, error", [

@@ -26,7 +26,7 @@ import run_config  # noqa: E402
 import stats  # noqa: E402
 import train  # noqa: E402
 from configurator import ConfigError, configure  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from model import GPT, GPTConfig, executed_fraction  # noqa: E402
 from model import MODS, RESIDUALS, TopKMoD  # noqa: E402
 
 aten = torch.ops.aten
@@ -43,10 +43,13 @@ def cpu_sdpa_flop(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs):
 CPU_SDPA = {aten._scaled_dot_product_flash_attention_for_cpu: cpu_sdpa_flop}
 
 
-def count_forward(model, idx):
-    """FlopCounterMode's FLOPs per token of one forward of model (in its current train/eval mode)."""
+def count_forward(model, idx, fraction=None):
+    """FlopCounterMode's FLOPs per token of one forward of model (in its current train/eval mode); the list
+    `fraction`, if given, gets the pass's executed fraction per sublayer."""
     with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=CPU_SDPA) as counter:
-        model(idx, idx)  # with targets: the head runs on every position
+        _, _, executed = model(idx, idx, executed=True)  # with targets: the head runs on every position
+    if fraction is not None:
+        fraction.extend(executed_fraction(executed, idx.numel()))
     return counter.get_total_flops() / idx.numel()
 
 
@@ -155,8 +158,8 @@ def test_mod_flops_follow_the_executed_fraction(kw, train_mode):
         model(warm, warm)  # a training forward on other tokens sets the thresholds tau (mean k-th largest score)
         assert torch.isfinite(model.mod.tau).all()
     model.train(train_mode)
-    counted = count_forward(model, idx)
-    frac = model.executed_fraction()
+    frac = []
+    counted = count_forward(model, idx, frac)
     assert all(0 < f <= 1 for f in frac) and sum(frac) / len(frac) < 0.8  # tokens were skipped
     if train_mode and kw["mod"] != "skip_middle":
         assert frac == pytest.approx([TopKMoD.keep_fraction(config)] * config.n_sublayers)
@@ -705,7 +708,7 @@ def test_sweep_runs_only_the_named_cells(data_dir, tmp_path, monkeypatch, fake_t
 
 
 def test_results_from_a_csv_test_each_cell_against_its_baseline(tmp_path, capsys):
-    """flops.py results FILE.csv: results.md's tables from a results.csv alone (docs/ keeps those), each
+    """flops.py results FILE.csv: results.md's tables from a results.csv alone (results/ keeps those), each
     cell against the first cell of its depth or --baseline; the numbers are stats.family_cells' over the
     table's comparisons (tests/test_stats.py), so a cell paired with the wrong baseline, or wrong losses, fails.
     Each cell's
@@ -809,8 +812,8 @@ def test_results_refuses_a_csv_without_runs_or_with_a_column_missing(tmp_path):
     """`flops.py results` on a header-only CSV printed tables of nothing (rc 0), and on a CSV without its
     residual column gave a traceback. Every column a results.csv has had since the first sweep is needed
     (a missing one is named); the columns added later (LATER_FIELDS) may be missing, as in the older CSVs
-    in docs/."""
-    src = REPO / "docs" / "sweep_mod_cpu.csv"
+    in results/."""
+    src = REPO / "results" / "sweep_mod_cpu.csv"
     with open(src, newline="") as f:
         header, *rows = list(csv.reader(f))
     empty = tmp_path / "empty.csv"
@@ -925,13 +928,13 @@ def test_the_docs_name_every_term_flops_py_prints():
 
 
 def test_a_results_csv_with_nothing_to_compare_says_why(capsys):
-    """`flops.py results docs/sweep_shakespeare_mhc_cpu.csv` alone printed an empty comparison table: every
+    """`flops.py results results/sweep_shakespeare_mhc_cpu.csv` alone printed an empty comparison table: every
     cell is alone at its depth. It now says so and names what to add."""
-    text = flops.main(["results", str(REPO / "docs" / "sweep_shakespeare_mhc_cpu.csv")])
+    text = flops.main(["results", str(REPO / "results" / "sweep_shakespeare_mhc_cpu.csv")])
     section = text.split("against a baseline cell")[1].split("Every run")[0]
     assert "| cell | baseline |" not in section
     assert "No comparison: every cell is the only one of its depth (2, 4, 8 layers)" in section
-    assert "python flops.py results docs/sweep_shakespeare_cpu.csv docs/sweep_shakespeare_mhc_cpu.csv" in section
+    assert "python flops.py results results/sweep_shakespeare_cpu.csv results/sweep_shakespeare_mhc_cpu.csv" in section
 
 
 def test_the_readme_command_for_mhc_at_equal_flops_gives_its_numbers(capsys):
@@ -943,7 +946,7 @@ def test_the_readme_command_for_mhc_at_equal_flops_gives_its_numbers(capsys):
                        r"([+-]0\.\d{4});", readme)
     row = next(line for line in readme.splitlines() if quoted[0] in line)
     command = next(c for c in re.findall(r"`(python flops\.py results [^`]*)`", row) if "mhc" in c)
-    assert "docs/sweep_shakespeare_cpu_s45.csv" in command
+    assert "results/sweep_shakespeare_cpu_s45.csv" in command
     text = flops.main(["results", *[str(REPO / a) for a in command.split()[3:]]])
     rows = {r[0]: r[1:] for r in ([c.strip() for c in line.split("|")[1:-1]] for line in
                                   text.split("against a baseline cell")[1].splitlines()) if r and r[0].startswith("mhc_")}

@@ -30,7 +30,7 @@ if __name__ == "__main__":  # run as a script: the repo on sys.path, as conftest
 
 import model as model_module  # noqa: E402
 from fidelity import assert_same_gradients  # noqa: E402
-from model import GPT, GPTConfig, RMSNorm  # noqa: E402
+from model import GPT, GPTConfig, RMSNorm, diagnose  # noqa: E402
 
 EPS = 1e-6  # the model's RMSNorm epsilon; mHC's pre_eps, rstd eps and Sinkhorn eps (the official code's)
 CONFORMANCE_TOL = 1e-9  # max |logit difference|, float64 end to end
@@ -385,7 +385,7 @@ def write_map(model, l, post, res):
 @pytest.mark.parametrize("options", [dict(residual="hc"), dict(residual="mhc", mhc_sinkhorn_repeat=1)],
                          ids=["hc", "mhc_one_sinkhorn_step"])
 def test_composite_gains_are_of_the_map_from_the_embedding(options, monkeypatch):
-    """diagnostics()' gain_fwd / gain_bwd at sublayer l are the max row / column sum of |C_l|, mean over
+    """diagnose()'s gain_fwd / gain_bwd at sublayer l are the max row / column sum of |C_l|, mean over
     tokens, where C_l = M_l ... M_1 maps the embedding's streams to the streams after sublayer l's write
     (M_k: the write's linear part, from the model's own write; the head: all of them). Every H_res here
     has unequal row and column sums (hc: random res; mhc: one Sinkhorn step, so only the columns are
@@ -404,7 +404,7 @@ def test_composite_gains_are_of_the_map_from_the_embedding(options, monkeypatch)
     monkeypatch.setattr(model.stream, "pre_mix", spy)
     idx = batch()
     with torch.no_grad():
-        rows = model.diagnostics(idx)
+        rows = diagnose(model, idx)
         C = wrong = torch.eye(n, dtype=torch.float64)
         for l in range(L + 1):  # the head's row: the composite through the last sublayer
             if l < L:
@@ -486,7 +486,7 @@ def test_training_starts_stable_and_the_streams_diverge(residual):
     torch.manual_seed(0)
     model = GPT(tiny(residual))
     idx = batch(4, 8)
-    before = model.eval().diagnostics(idx)
+    before = diagnose(model.eval(), idx)
     assert len(before) == 2 * model.config.n_layer + 1
     for row in before:
         assert abs(row["stream_cos"] - 1) <= 1e-5, row
@@ -495,18 +495,18 @@ def test_training_starts_stable_and_the_streams_diverge(residual):
     assert all(math.isfinite(x) for x in losses), losses
     assert abs(losses[0] - math.log(V)) < 0.05, losses[0]
     assert losses[-1] < 0.8 * losses[0], losses
-    after = model.diagnostics(idx)
+    after = diagnose(model, idx)
     assert min(row["stream_cos"] for row in after) < 1 - 1e-4, [row["stream_cos"] for row in after]
     if residual == "mhc":
         check_gains_are_one(after)
         n = model.config.hc_streams
         with torch.no_grad():
             model.stream.base[:, 2 * n:].add_(torch.randn(model.stream.base[:, 2 * n:].shape))
-        check_gains_are_one(model.diagnostics(idx))
+        check_gains_are_one(diagnose(model, idx))
     else:
         with torch.no_grad():
             model.stream.res.mul_(1.5)
-        assert model.diagnostics(idx)[-1]["gain_fwd"] > 1.1
+        assert diagnose(model, idx)[-1]["gain_fwd"] > 1.1
 
 
 # -----------------------------------------------------------------------------

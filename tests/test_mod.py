@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import (GPT, CausalSelfAttention, GPTConfig, KVCache, SkipMiddle, apply_rope, cached_step, capacity,
+from model import (GPT, CausalSelfAttention, GPTConfig, KVCache, SkipMiddle, apply_rope, capacity, diagnose, executed_fraction,
                    mask_route, rope_table, topk_route)
 from model import MODS, RESIDUALS, TopKMoD, Visibility  # noqa: E402
 
@@ -178,7 +178,7 @@ def test_training_attention_runs_the_kept_tokens_in_order_at_their_own_positions
     idx = torch.randint(0, 65, (B, T))
     with torch.no_grad():
         x = model.stream.embed(model.wte(idx))
-        new = model._sublayer(x, 0, model._context(B * T))
+        new = model.sublayer(x, 0, model.new_context(B * T))
         h, _ = model.stream.read(x, 0)
         score = model.mod.routers[0](h).squeeze(-1)
         pos = score.topk(k, dim=1).indices.sort(dim=1).values
@@ -208,10 +208,10 @@ def test_skipped_tokens_leave_the_stream_bit_identical(monkeypatch, mod, residua
     idx = torch.randint(0, 65, (B, T))
     with torch.no_grad():
         state = stream.embed(model.wte(idx))
-        ctx = model._context(B * T)
+        ctx = model.new_context(B * T)
         for l in range(len(model.sublayers)):
             before = [t.clone() for t in stream.tokens(state)]
-            new = model._sublayer(state, l, ctx)
+            new = model.sublayer(state, l, ctx)
             keep = kept(seen[-1][1], B, T)
             assert seen[-1][0] == l and keep.any() and not keep.all(), f"sublayer {l}: nothing to compare"
             after, skipped = stream.tokens(new), stream.tokens(stream.skip(state, l))
@@ -240,7 +240,7 @@ def test_a_skipped_token_is_not_a_key(monkeypatch, train):
 
     def attention_sublayer(x):
         with torch.no_grad():
-            return model._sublayer(x, 0, model._context(B * T))
+            return model.sublayer(x, 0, model.new_context(B * T))
 
     def nudge(p):
         x2 = x.clone()
@@ -260,9 +260,9 @@ def test_a_skipped_token_is_not_a_key(monkeypatch, train):
 def test_every_parameter_gets_a_gradient_under_routing(mod, residual, kw):
     model = routed_model(mod, residual, **kw).train()
     idx = torch.randint(0, 65, (4, 16))
-    _, loss = model(idx, torch.roll(idx, -1, 1))
+    _, loss, executed = model(idx, torch.roll(idx, -1, 1), executed=True)
     loss.backward()
-    assert min(model.executed_fraction()) < 1.0  # tokens were skipped
+    assert min(executed_fraction(executed, idx.numel())) < 1.0  # tokens were skipped
     special = {"nag": "stream.modulators", "router": "mod.routers", "skip_middle": "mod.producers"}[mod]
     names = [name for name, _ in model.named_parameters()]
     assert sum(name.startswith(special) for name in names) >= 2
@@ -292,7 +292,7 @@ def test_tau_is_the_ema_of_the_kth_score_and_lands_in_the_checkpoint(monkeypatch
             torch.testing.assert_close(model.mod.tau, expected)
         tau = model.mod.tau.clone()
         assert tau.isfinite().all()
-        model.diagnostics(x)  # neither diagnostics nor eval passes move tau
+        diagnose(model, x)  # neither diagnostics nor eval passes move tau
         model.eval()(x)
         assert torch.equal(model.mod.tau, tau)
     assert "mod.tau" in model.state_dict()
@@ -302,9 +302,10 @@ def test_tau_is_the_ema_of_the_kth_score_and_lands_in_the_checkpoint(monkeypatch
     assert torch.equal(fresh.mod.tau, tau)
     fresh.eval()
     x = torch.randint(0, 65, (2, 16))
-    torch.testing.assert_close(fresh(x, x)[0], model(x, x)[0], rtol=0, atol=0)
-    assert fresh.executed_fraction() == model.executed_fraction()
-    assert 0 < min(fresh.executed_fraction()) < 1
+    (fresh_logits, _, fresh_ran), (logits, _, ran) = fresh(x, x, executed=True), model(x, x, executed=True)
+    torch.testing.assert_close(fresh_logits, logits, rtol=0, atol=0)
+    assert executed_fraction(fresh_ran, x.numel()) == executed_fraction(ran, x.numel())
+    assert 0 < min(executed_fraction(fresh_ran, x.numel())) < 1
 
 
 @pytest.mark.parametrize("mod, residual", [("nag", "nag"), ("router", "prenorm")])
@@ -314,12 +315,11 @@ def test_mod_rate_zero_runs_every_token_and_is_the_dense_model(mod, residual):
     x = torch.randint(0, 65, (2, 16))
     with torch.no_grad():
         for _ in range(2):
-            model(x, x)
-            assert model.executed_fraction() == [1.0] * 4
+            assert executed_fraction(model(x, x, executed=True)[2], x.numel()) == [1.0] * 4
         assert model.mod.tau.isnan().all()
         model.eval()
-        logits, _ = model(x, x)
-        assert model.executed_fraction() == [1.0] * 4
+        logits, _, executed = model(x, x, executed=True)
+        assert executed_fraction(executed, x.numel()) == [1.0] * 4
         dense = GPT(config("none", residual)).eval()
         dense.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("mod.")})
         assert torch.equal(dense(x, x)[0], logits)
@@ -377,9 +377,9 @@ GENERATE = [("none", "prenorm", {}), *PAIRS, ("router", "prenorm", {"mod_inferen
 def cached_logits(model, idx, prefill):
     """Logits at positions prefill-1 .. T-1 from cached_step: prefill tokens at once, then one at a time."""
     caches = [KVCache(model.config.block_size) if l % 2 == 0 else None for l in range(len(model.sublayers))]
-    out = [cached_step(model, idx[:, :prefill], caches, 0)]
+    out = [model.cached_step(idx[:, :prefill], caches, 0)[0]]
     for t in range(prefill, idx.size(1)):
-        out.append(cached_step(model, idx[:, t:t + 1], caches, t))
+        out.append(model.cached_step(idx[:, t:t + 1], caches, t)[0])
     return torch.cat(out, 1)
 
 
@@ -390,8 +390,7 @@ def test_kv_cache_generation_equals_recomputation(monkeypatch, mod, residual, kw
     prompt = torch.randint(0, 65, (batch, 5))
     routes = spy_routes(monkeypatch, model) if model.mod is not None else []
     with torch.no_grad():
-        cached = model.generate(prompt, 11, temperature=0, kv_cache=True)
-        stats = model.generate_stats
+        cached, stats = model.generate(prompt, 11, temperature=0, kv_cache=True, stats=True)
         padded = any(r is not None and r.valid is not None for _, r, *_ in routes)
         full = model.generate(prompt, 11, temperature=0, kv_cache=False)
         assert torch.equal(cached, full)
@@ -461,12 +460,12 @@ def test_skip_middle_hard_skip_equals_the_soft_path(monkeypatch, train):
 
     def run():
         model.zero_grad()
-        logits, loss = model(idx, y)
+        logits, loss, executed = model(idx, y, executed=True)
         loss.backward()
         grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-        return logits, loss, grads, model.executed_fraction()
+        return logits, loss, grads, executed_fraction(executed, idx.numel())
     hard = run()
-    gates = torch.stack(seen[-1][2]["gates"])
+    gates = torch.stack(seen[-1][2].gates)
     assert (gates == 0).any() and ((gates > 0) & (gates < 1)).any() and (gates == 1).any()
     assert any(r.idx is not None for _, r, *_ in seen)  # tokens were gathered out
     model.mod.gather = False
@@ -556,27 +555,26 @@ def test_diagnostics_report_the_executed_fraction(rate, keep):
     torch.manual_seed(0)
     model = GPT(config("router", "prenorm", mod_rate=rate)).train()
     idx = torch.randint(0, 65, (2, 16))
-    rows = model.diagnostics(idx)  # training routing: exactly k / T per sublayer
+    rows = diagnose(model, idx)  # training routing: exactly k / T per sublayer
     assert [r["executed"] for r in rows[:-1]] == [keep] * 4 and "executed" not in rows[-1]
     with torch.no_grad():
-        model(idx, idx)
-    assert model.executed_fraction() == [keep] * 4
+        assert executed_fraction(model(idx, idx, executed=True)[2], idx.numel()) == [keep] * 4
     model.eval()  # eval routing: the thresholds the training forward just set
-    rows = model.diagnostics(idx)
+    rows = diagnose(model, idx)
     with torch.no_grad():
-        model(idx)
-    assert [r["executed"] for r in rows[:-1]] == model.executed_fraction()
-    assert all(0 < f < 1 for f in model.executed_fraction())
+        frac = executed_fraction(model(idx, executed=True)[2], idx.numel())
+    assert [r["executed"] for r in rows[:-1]] == frac
+    assert all(0 < f < 1 for f in frac)
 
 
 def test_diagnostics_of_dense_and_skip_middle_models():
     torch.manual_seed(0)
     idx = torch.randint(0, 65, (2, 16))
-    rows = GPT(config("none", "prenorm")).diagnostics(idx)
+    rows = diagnose(GPT(config("none", "prenorm")), idx)
     assert [r["executed"] for r in rows[:-1]] == [1.0] * 4
     model = routed_model("skip_middle", "sandwich", n_layer=4)
-    rows = model.diagnostics(idx)
+    rows = diagnose(model, idx)
     with torch.no_grad():
-        model(idx)
-    assert [r["executed"] for r in rows[:-1]] == model.executed_fraction()
-    assert min(model.executed_fraction()) < 1.0
+        frac = executed_fraction(model(idx, executed=True)[2], idx.numel())
+    assert [r["executed"] for r in rows[:-1]] == frac
+    assert min(frac) < 1.0

@@ -421,18 +421,18 @@ def test_the_throughput_interval_pools_the_runs_and_keeps_the_drift(tmp_path):
 
 
 def test_a_committed_csv_keeps_its_committed_figure(tmp_path, monkeypatch):
-    """Run on a CSV in docs/ (a committed result), the figure goes to out/, not over docs/'s tracked one;
+    """Run on a CSV in results/ (a committed result), the figure goes to out/, not over results/'s tracked one;
     --out still writes where it says."""
     monkeypatch.setattr(flops, "HERE", str(tmp_path))
-    (tmp_path / "docs").mkdir()
-    path = write_csv(tmp_path / "docs" / "r.csv", [1e12, 4e12], {"prenorm": base_loss, "nag": two_x})
-    (tmp_path / "docs" / "r_multiplier.png").write_bytes(b"the committed figure")
+    (tmp_path / "results").mkdir()
+    path = write_csv(tmp_path / "results" / "r.csv", [1e12, 4e12], {"prenorm": base_loss, "nag": two_x})
+    (tmp_path / "results" / "r_multiplier.png").write_bytes(b"the committed figure")
     text = flops.multiplier([str(path)])
-    assert (tmp_path / "docs" / "r_multiplier.png").read_bytes() == b"the committed figure"
+    assert (tmp_path / "results" / "r_multiplier.png").read_bytes() == b"the committed figure"
     assert (tmp_path / "out" / "r_multiplier.png").stat().st_size > 0
     assert f"figure: {tmp_path / 'out' / 'r_multiplier.png'}" in text
-    flops.multiplier([str(path), f"--out={tmp_path / 'docs' / 'r_multiplier.png'}"])
-    assert (tmp_path / "docs" / "r_multiplier.png").read_bytes() != b"the committed figure"
+    flops.multiplier([str(path), f"--out={tmp_path / 'results' / 'r_multiplier.png'}"])
+    assert (tmp_path / "results" / "r_multiplier.png").read_bytes() != b"the committed figure"
 
 
 def test_the_jackknife_is_deterministic_and_covers(tmp_path):
@@ -494,16 +494,16 @@ def test_the_bootstrap_options_are_gone_with_a_clear_line(tmp_path, option):
 
 
 def test_old_single_budget_csvs_still_load(tmp_path):
-    """Every shipped docs/sweep_*.csv of one budget (or none: no budget column) still builds its results tables
+    """Every shipped results/sweep_*.csv of one budget (or none: no budget column) still builds its results tables
     (a budgets sweep's, every budget in one CSV, is read by the multiplier: results says so in one line), and
     the multiplier says in one line per cell that one budget gives none."""
-    for path in sorted((REPO / "docs").glob("sweep_*.csv")):
+    for path in sorted((REPO / "results").glob("sweep_*.csv")):
         if len({r.get("budget") for r in flops.read_results(str(path))}) > 1:
             with pytest.raises(ConfigError, match="read it with python flops.py multiplier"):
                 flops.results([str(path)])
         else:
             assert "| cell | residual |" in flops.results([str(path)])
-    text = report(REPO / "docs" / "sweep_shakespeare_cpu.csv", tmp_path)
+    text = report(REPO / "results" / "sweep_shakespeare_cpu.csv", tmp_path)
     assert "no multiplier: one budget" in text
     assert not any(ch.isdigit() for line in text.splitlines() if "no multiplier" in line
                    for ch in line.split("|")[3])

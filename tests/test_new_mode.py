@@ -6,6 +6,7 @@ learned 2-D matrix over depth that starts as prenorm. Both go through the checks
 gets. Then realistic bugs are planted in DepthWeighted, one at a time, and each is caught by a generic
 check with a message that names the problem (test_a_planted_bug_fails_a_generic_check)."""
 import collections
+import dataclasses
 import os
 import sys
 from dataclasses import asdict
@@ -129,14 +130,8 @@ def new_modes(monkeypatch):
     monkeypatch.setitem(model_module.RESIDUALS, "dwa_sublayer", DepthWeighted)
 
 
-MODES = [*model_module.RESIDUALS, "rezero", "dwa_sublayer"]
-VARIANTS = {  # options that change what a mode computes: each is checked as a mode of its own
-    "prenorm-norm_scaling": dict(residual="prenorm", norm_scaling=True),
-    "mhc-birkhoff": dict(residual="mhc", mhc_res="birkhoff"),
-    "dwa-2x2": dict(residual="dwa", dwa_dilation=2, dwa_period=2),
-    "hc-value_residual": dict(residual="hc", value_residual="learned"),  # a backbone option
-    "mudd-1way": dict(residual="mudd", mudd_ways=1),
-}
+MODES = list(dict.fromkeys([*model_module.RESIDUALS, "rezero", "dwa_sublayer"]))  # a registered rezero: once
+VARIANTS = model_module.VARIANTS  # the options that change what a mode computes, as modes of their own
 CASES = MODES + list(VARIANTS)
 SHAPE = dict(block_size=16, vocab_size=65, n_layer=2, n_head=2, n_embd=32)
 
@@ -221,7 +216,7 @@ def test_a_mode_that_states_no_flops_is_an_error(monkeypatch):
 @pytest.mark.parametrize("residual", CASES)
 def test_diagnostics_rows(residual):
     model = make(residual)
-    rows = model.diagnostics(tokens())
+    rows = model_module.diagnose(model, tokens())
     assert [r["sublayer"] for r in rows] == list(range(1, 2 * SHAPE["n_layer"] + 2))
     assert [r["kind"] for r in rows] == ["attn", "mlp"] * SHAPE["n_layer"] + ["head"]
     assert all(r["rms"] > 0 for r in rows) and all(r["update"] > 0 for r in rows[:-1])
@@ -331,7 +326,7 @@ def check_starts_as(residual):
         f"{residual}: starts_as={starts_as!r} is not a residual mode"
     if starts_as is None:
         return
-    backbone = {k: v for k, v in opts.items() if k != "residual" and k not in model_module.OPTIONS}
+    backbone = {k: v for k, v in opts.items() if k != "residual" and k not in model_module.option_owners()}
     models = []
     for config in ({**backbone, "residual": starts_as}, opts):
         torch.manual_seed(0)
@@ -392,6 +387,47 @@ def check_skip(residual):
             for i, (a, b) in enumerate(zip(before, skipped)):
                 assert torch.equal(a, b), f"{residual}, sublayer {l}: skip() changed tensor {i} of the stream"
             state = stream.write(state, l, out, carry)
+
+
+def check_block_route(residual):
+    """MoD's whole-block route (mod=router, mod_layout=block: Route.weigh), on a route that keeps some tokens
+    with per-token weights w and carries the block's first write (Route.first): where a mode's block is the sum
+    of its two sublayers' writes (checked here, with the block's outputs given: the change of the stream's
+    value with outputs (a, m) is the change with (a, 0) plus that with (0, m)), the kept tokens' stream after
+    the block is Eq. 1 of Raposo et al., x + w (f(x) - x) with f the dense block, and a skipped token's is x.
+    That holds when write_kept hands route.weigh() the whole write (route.weigh(alpha * out)); a mode that
+    scales after weigh (alpha * route.weigh(out)) leaves (1 - w)(alpha_attn - alpha_mlp) a behind."""
+    model = make(residual).double()
+    if "router" not in model.stream.mods:
+        pytest.skip(f"{residual} does not work with mod=router")
+    stream, (B, T, d) = model.stream, (2, SHAPE["block_size"], SHAPE["n_embd"])
+    g = torch.Generator().manual_seed(5)
+    a, m = (torch.randn(B, T, d, generator=g, dtype=torch.float64) for _ in range(2))
+
+    def block(state, outs, route=None):  # block 0 (sublayers 0, 1) with the given outputs; the stream after it
+        for l, out in enumerate(outs):
+            _, carry = stream.read(state, l)
+            state = stream.write(state, l, out, carry) if route is None else \
+                stream.write_kept(state, l, route.gather(out), carry, route)
+        return stream.value(state, 2)
+
+    with torch.no_grad():
+        state = stream.embed(model.wte(tokens(T=T)).double())
+        x, zero = stream.value(state, 0), torch.zeros_like(a)
+        dense = block(state, (a, m))
+        if not torch.allclose(dense - x, (block(state, (a, zero)) - x) + (block(state, (zero, m)) - x), atol=1e-12):
+            pytest.skip(f"{residual}'s block is not the sum of its sublayers' writes: Eq. 1's x + w f(x) is not its form")
+        idx = torch.stack([torch.randperm(T, generator=g)[:T // 2].sort().values for _ in range(B)])
+        w = torch.rand(B, T // 2, 1, generator=g, dtype=torch.float64)
+        routed = block(state, (a, m), Route(idx, executed=idx.numel(), weight=w, whole_block=True))
+    kept = torch.zeros(B, T, dtype=torch.bool).scatter(1, idx, True)
+    weight = torch.zeros(B, T, 1, dtype=torch.float64).scatter(1, idx.unsqueeze(-1), w)
+    want = x + weight * (dense - x)
+    assert torch.allclose(routed[kept], want[kept], rtol=1e-10, atol=1e-10), (
+        f"{residual}: a whole-block route's write is not x + w f(x) (max error "
+        f"{(routed - want)[kept].abs().max():.3g}): hand route.weigh() the sublayer's whole write, "
+        f"route.weigh(alpha * out), not alpha * route.weigh(out)")
+    assert torch.equal(routed[~kept], x[~kept]), f"{residual}: a whole-block route moved a token it did not keep"
 
 
 class ElementCounter(TorchDispatchMode):
@@ -494,6 +530,22 @@ def test_skip_is_write_kept_with_no_token_kept(residual):
 
 
 @pytest.mark.parametrize("residual", CASES)
+def test_a_whole_block_route_writes_eq1(residual):
+    check_block_route(residual)
+
+
+def test_scaling_after_weigh_fails_the_block_route_check(monkeypatch):
+    """ReZero written the wrong way round, alpha * route.weigh(out): it passes the other checks (a route that keeps
+    no token, the dense path), and fails the whole-block route's, by name."""
+    def late_scale(self, x, l, out, carry, route):
+        return route.scatter_add(x, self.alpha[l].to(out.dtype) * route.weigh(out))
+    monkeypatch.setitem(model_module.RESIDUALS, "rezero", type("ReZeroLate", (ReZero,), {"write_kept": late_scale}))
+    check_skip("rezero")
+    with pytest.raises(AssertionError, match=r"not x \+ w f\(x\).*route.weigh\(alpha \* out\)"):
+        check_block_route("rezero")
+
+
+@pytest.mark.parametrize("residual", CASES)
 def test_element_flops_match_the_declared_flops(residual, monkeypatch):
     check_element_flops(residual, monkeypatch)
 
@@ -547,17 +599,41 @@ def test_help_lists_the_registered_modes(capsys):
 
 
 def test_modes_that_share_an_option_declare_it_alike(monkeypatch):
-    """GPTConfig has one field per option: two modes may share one (hc and mhc share hc_streams) only with the
-    same default and values; one that declares it otherwise is a TypeError naming both, not a silent first
-    default."""
-    assert model_module.option_owners() == model_module.OPTIONS  # today's registry declares alike
-    shared = next(o for o, (_, _, key, modes) in model_module.OPTIONS.items() if key == "residual")
-    default, choices, _, modes = model_module.OPTIONS[shared]
-    alike = type("Alike", (ReZero,), {"options": {shared: choices or default}})
-    monkeypatch.setitem(model_module.RESIDUALS, "alike", alike)
-    assert model_module.option_owners()[shared][3] == [*modes, "alike"]
-    other = (choices[1], *[c for c in choices if c != choices[1]]) if choices else \
-        (not default if isinstance(default, bool) else default + 1 if isinstance(default, (int, float)) else "other")
-    monkeypatch.setitem(model_module.RESIDUALS, "alike", type("Unlike", (ReZero,), {"options": {shared: other}}))
-    with pytest.raises(TypeError, match=rf"option '{shared}': alike declares .*{modes[0]} declares"):
-        model_module.option_owners()
+    """GPTConfig has one field per option: two modes may share one (attnres and block_attnres share attnres_query)
+    only with the same values; one that declares it otherwise is a TypeError naming both, not a silent first."""
+    owners = model_module.option_owners()
+    shared = next(o for o, (choices, key, modes) in owners.items() if key == "residual" and choices and len(modes) > 1)
+    choices, _, modes = owners[shared]
+    monkeypatch.setitem(model_module.RESIDUALS, "alike", type("Alike", (ReZero,), {"options": {shared: choices}}))
+    assert model_module.option_owners()[shared][2] == [*modes, "alike"]
+    for other in (choices[::-1], None):  # other values, or any value
+        monkeypatch.setitem(model_module.RESIDUALS, "alike", type("Unlike", (ReZero,), {"options": {shared: other}}))
+        with pytest.raises(TypeError, match=rf"option '{shared}': alike declares .*{modes[0]} declares"):
+            model_module.option_owners()
+
+
+def test_gptconfig_is_written_out_and_each_option_has_its_owner(monkeypatch):
+    """GPTConfig is a plain dataclass whose fields are written in its body (not rebuilt at import): every field
+    beyond the backbone's is an option a mode declares, and every declared option is a field whose default is
+    among the values its mode allows. A mode that declares an option GPTConfig lacks gets a TypeError naming
+    the fix; the refusals of an option set for another mode, or outside its values, stay."""
+    assert GPTConfig.__bases__ == (object,)
+    written = list(GPTConfig.__annotations__)
+    assert written == [f.name for f in dataclasses.fields(GPTConfig)]
+    backbone = {"block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", "residual", "mod", "mod_rate",
+                "kernels", "value_residual"}
+    owners = model_module.option_owners()
+    assert set(written) - backbone == set(owners), set(written) ^ (backbone | set(owners))
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    for name, (choices, _, _) in owners.items():
+        assert choices is None or defaults[name] == choices[0], name
+    monkeypatch.setitem(model_module.RESIDUALS, "rezero", type("Opt", (ReZero,), {"options": {"rezero_init": None}}))
+    with pytest.raises(TypeError, match=r"residual=rezero declares the option 'rezero_init', which GPTConfig lacks"):
+        GPTConfig(residual="rezero")
+    monkeypatch.delitem(model_module.RESIDUALS, "rezero")
+    with pytest.raises(ValueError, match=r"nag_head=sqrt_d only applies to residual=nag"):
+        GPTConfig(nag_head="sqrt_d")
+    with pytest.raises(ValueError, match=r"unknown nag_head 'cos'; valid: cosine, sqrt_d"):
+        GPTConfig(residual="nag", nag_head="cos")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'nag_heads'"):
+        GPTConfig(residual="nag", nag_heads="sqrt_d")

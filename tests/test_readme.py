@@ -155,7 +155,7 @@ def test_every_relative_link_finds_its_file_and_heading():
     """Links and images in the README and docs/*.md, [text](path#anchor): the file exists and, given an
     anchor, has a heading that makes it (a moved or renamed section breaks the links to it)."""
     checked = 0
-    for page in [README, *DOCS]:
+    for page in [README, *DOCS, *sorted((REPO / "results").glob("*.md"))]:
         text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
             if re.match(r"\w+://|mailto:", target):

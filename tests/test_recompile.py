@@ -22,7 +22,7 @@ CASES = {**{r: dict(residual=r) for r in RESIDUALS}, **VARIANTS, **{f"mod-{c}": 
 for case in ("nag", "mod-nag"):  # the alpha warm-up sets a new scale before each of the first 10 iterations
     CASES[case] = dict(CASES[case], nag_alpha_warmup_tokens=STEPS // 2 * TOKENS)
 CASES["mhc"] = dict(CASES["mhc"], mhc_sinkhorn_repeat=1)  # one Sinkhorn iteration traces what 20 repeat
-TWO_LAYERS = ("dwa-2x2", "mod-skip_middle")  # a dilation of 2; skip_middle pairs block i with block L-1-i
+TWO_LAYERS = ("dwa (dwa_dilation=2, dwa_period=2)", "mod-skip_middle")  # a dilation of 2; skip_middle pairs block i with block L-1-i
 FINAL_EVAL = ("prenorm",)  # the final eval (its own call, once a run) compiles once too: in one case, for time
 
 

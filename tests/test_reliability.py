@@ -22,7 +22,7 @@ import model as model_module
 import run_config
 import train
 from configurator import ConfigError
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, executed_fraction
 from test_train import (REPO, TOL, assert_one_line_error, in_process, load_ckpt, read_log, run,  # noqa: F401
                         tiny_args, tiny_dataset, train_once, wandb_history)
 
@@ -321,11 +321,11 @@ def nan_at(monkeypatch):
         monkeypatch.setattr(train, "train_batches", tracked)
         forward = GPT.forward
 
-        def poisoned(self, idx, targets=None):
-            logits, loss = forward(self, idx, targets)
+        def poisoned(self, idx, targets=None, executed=False):
+            logits, loss, ran = forward(self, idx, targets, executed=True)
             if self.training and current.get("it") in bad_iters:
                 loss = Overflow.apply(loss) if overflow else loss * float("nan")
-            return logits, loss
+            return (logits, loss, ran) if executed else (logits, loss)
         monkeypatch.setattr(GPT, "forward", poisoned)
     return install
 
@@ -554,10 +554,10 @@ def test_random_valid_configs_train(d, batch):
         batches = iter([(idx, torch.roll(idx, -1, 1))] * 2)
         losses = [train.train_step(model, model, optimizer, torch.amp.GradScaler("cpu", enabled=False), batches,
                                    stats, accum=1, autocast=contextlib.nullcontext(), grad_clip=1.0) for _ in range(2)]
-        frac_train = model.executed_fraction()
+        frac_train = executed_fraction(stats.executed[-1][0], idx.numel())  # the last micro-step's
         model.eval()  # eval routing: thresholds tau from the training forwards
         with torch.no_grad():
-            logits, _ = model(idx)
+            logits, _, executed = model(idx, executed=True)
         torch.set_num_threads(threads)
     assert all(torch.isfinite(loss) for loss in losses) and torch.isfinite(logits).all()
     assert stats.read() == (0, 0, 0)  # no step was skipped as non-finite
@@ -565,7 +565,7 @@ def test_random_valid_configs_train(d, batch):
     stepped = [p for p in model.parameters() if p in optimizer.state]
     assert stepped and all(float(optimizer.state[p]["step"]) == 2 for p in stepped)  # both steps were taken
     assert not torch.equal(model.lm_head.weight, before["lm_head.weight"])  # and they moved the weights
-    for frac in (frac_train, model.executed_fraction()):
+    for frac in (frac_train, executed_fraction(executed, idx.numel())):
         assert len(frac) == 2 * config.n_layer and all(0.0 <= f <= 1.0 for f in frac)
     if config.mod in ("nag", "router"):  # top-k: every sublayer runs its capacity k / T in training
         assert frac_train == pytest.approx([model_module.TopKMoD.keep_fraction(config)] * (2 * config.n_layer))

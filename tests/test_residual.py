@@ -11,7 +11,7 @@ import torch
 import train
 from kernels import depth_attention, nag_update
 from model import GPT, NAG, RESIDUALS, GPTConfig, Modulator
-from model import BlockAttnRes  # noqa: E402
+from model import BlockAttnRes, diagnose  # noqa: E402
 
 MODES = list(RESIDUALS)
 REPO = Path(__file__).resolve().parents[1]
@@ -166,7 +166,7 @@ def test_depth_attention_matches_definition_values_and_grads():
 def test_depth_weights_are_uniform_at_init(residual):
     torch.manual_seed(0)
     model = GPT(tiny(residual, n_layer=3, attnres_blocks=3 if residual == "block_attnres" else None))
-    rows = model.diagnostics(torch.randint(0, 65, (2, 16)))
+    rows = diagnose(model, torch.randint(0, 65, (2, 16)))
     assert "depth_weights" not in rows[0]  # sublayer 1 reads the embedding only
     for row in rows[1:]:
         w = row["depth_weights"]
@@ -175,7 +175,7 @@ def test_depth_weights_are_uniform_at_init(residual):
 
 def sources_read(model, idx):
     """How many sources each sublayer (and the head) mixes, from the diagnostics."""
-    return [len(r.get("depth_weights", [0])) for r in model.diagnostics(idx)]
+    return [len(r.get("depth_weights", [0])) for r in diagnose(model, idx)]
 
 
 @pytest.mark.parametrize("n_layer, blocks, counts", [
@@ -287,7 +287,7 @@ def test_diagnostics(residual):
                 if name.endswith("c_proj.weight"):
                     p.mul_(50)
     idx = torch.randint(0, 65, (2, 16))
-    rows = model.diagnostics(idx)
+    rows = diagnose(model, idx)
     assert [r["sublayer"] for r in rows] == list(range(1, 8))
     assert [r["kind"] for r in rows] == ["attn", "mlp"] * 3 + ["head"]
     for r in rows:
