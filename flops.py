@@ -777,6 +777,7 @@ def results_markdown(rows, cells, what, baseline=None, adjust="holm"):
 RESULTS_DEFAULTS = dict(
     baseline=None,  # the cell every other cell is tested against; None: its depth's prenorm cell, else its first
     adjust="holm",  # the table's p adjusted for its number of comparisons: holm (family-wise error) or bh (FDR)
+    budget=None,  # a budgets sweep's CSV (every budget in one): the runs of this budget alone, e.g. 2.5e12
 )
 
 
@@ -820,6 +821,18 @@ def csv_verb(argv, verb, defaults, name, what, takes, example):
     return files, cfg, [r for path in files for r in read_results(path)]
 
 
+def one_budget(rows, budget):
+    """The rows of a budgets sweep's CSV whose budget column is `budget` (to 1 part in 1e6)."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
+        raise ConfigError(f"budget must be a positive number of training FLOPs (e.g. --budget=2.5e12), got {budget!r}")
+    kept = [r for r in rows if r.get("budget") is not None and abs(r["budget"] - budget) <= 1e-6 * budget]
+    if not kept:
+        have = sorted({r["budget"] for r in rows if r.get("budget") is not None})
+        raise ConfigError(f"no run has budget {budget:g}: " + (f"the CSVs' budgets are {', '.join(f'{b:g}' for b in have)}"
+                          if have else "the CSVs have no budget column (a one-budget sweep: drop --budget)"))
+    return kept
+
+
 def results(argv):
     """python flops.py results out/<sweep>/results.csv ... [--baseline=CELL]: results.md's tables, from
     the CSVs alone (the run folders are not needed), printed. Several CSVs are read as one sweep, so a
@@ -828,13 +841,15 @@ def results(argv):
                                 "a sweep's tables again, from one or more results.csv (read as one sweep)",
                                 "results.csv", "results/sweep_mod_cpu.csv")
     check_adjust(cfg["adjust"])
+    if cfg["budget"] is not None:
+        rows = one_budget(rows, cfg["budget"])
     runs = collections.Counter((r["cell"], r["seed"]) for r in rows if r["seed"] is not None and r["status"] == "done")
     twice = sorted(k for k, n in runs.items() if n > 1)
     if twice:
         raise ConfigError(f"{len(twice)} cell and seed pairs have two finished runs (e.g. {twice[0][0]} seed "
                           f"{twice[0][1]}): a CSV read twice, or a budgets sweep's CSV (every budget in one): pass "
-                          f"each CSV once, one budget's (out/<sweep>/b<budget>/results.csv), or read it with "
-                          f"python flops.py multiplier")
+                          f"each CSV once, add --budget=B (one budget's runs), or read it with python flops.py "
+                          f"multiplier")
     cells = aggregate(rows)
     check_baseline(cfg["baseline"], [c["cell"] for c in cells])
     text = results_markdown(rows, cells, " + ".join(files), cfg["baseline"], cfg["adjust"])

@@ -927,6 +927,23 @@ def test_the_docs_name_every_term_flops_py_prints():
         assert f"`{term}`" in readme, term
 
 
+def test_results_reads_one_budget_of_a_budgets_csv(capsys):
+    """`flops.py results` on a budgets sweep's CSV (every budget in one) refused, naming --budget; with
+    --budget=B it tests the runs of that budget alone: the prenorm cell's mean is the mean of its runs at B, not
+    of every budget's, and a budget the CSV lacks is a one-line error listing those it has."""
+    csv_path = str(REPO / "results" / "sweep_multiplier_cpu.csv")
+    with pytest.raises(ConfigError, match="add --budget=B"):
+        flops.main(["results", csv_path])
+    rows = flops.read_results(csv_path)
+    mean = statistics.mean(r["val_loss"] for r in rows if r["cell"] == "prenorm" and r["budget"] == 2.5e12)
+    assert abs(mean - statistics.mean(r["val_loss"] for r in rows if r["cell"] == "prenorm")) > 0.05
+    text = flops.main(["results", csv_path, "--budget=2.5e12"])
+    row = next(line for line in text.splitlines() if line.startswith("| prenorm | prenorm |"))
+    assert f"| {mean:.4f} ± " in row, row
+    with pytest.raises(ConfigError, match=r"no run has budget 3e\+12: the CSVs' budgets are 6.25e\+11, 1.25e\+12"):
+        flops.main(["results", csv_path, "--budget=3e12"])
+
+
 def test_a_results_csv_with_nothing_to_compare_says_why(capsys):
     """`flops.py results results/sweep_shakespeare_mhc_cpu.csv` alone printed an empty comparison table: every
     cell is alone at its depth. It now says so and names what to add."""
