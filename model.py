@@ -2124,20 +2124,19 @@ def diagnose(model, idx):
     health, attnres's depth weights); then a row for the head. For attnres the "stream" is the depth mix a
     sublayer reads."""
     B, T = idx.shape
-    ctx, stream, rows = model.new_context(B * T), model.stream, []
+    ctx, stream, rows, entering = model.new_context(B * T), model.stream, [], []
 
     def look(l, state):  # before sublayer l (0-based), and before the head (l = 2L)
         x = stream.value(state, l).float()
         if rows:  # the update of the sublayer before
-            x_in, row = rows[-1].pop("x_in"), rows[-1]
-            row["update"] = ((x - x_in).norm(dim=-1) / x_in.norm(dim=-1)).mean().item()
-            row["executed"] = float(ctx.executed[l - 1]) / (B * T)
+            x_in = entering.pop()
+            rows[-1]["update"] = ((x - x_in).norm(dim=-1) / x_in.norm(dim=-1)).mean().item()
+            rows[-1]["executed"] = float(ctx.executed[l - 1]) / (B * T)
         kind = "head" if l == len(model.sublayers) else "attn" if l % 2 == 0 else "mlp"
-        rows.append({"sublayer": l + 1, "kind": kind, "rms": x.square().mean().sqrt().item(), **stream.stats(state, l),
-                     "x_in": x})
+        rows.append({"sublayer": l + 1, "kind": kind, "rms": x.square().mean().sqrt().item(), **stream.stats(state, l)})
+        entering.append(x)
 
     model.stream_through(model.wte(idx), ctx, look)
-    rows[-1].pop("x_in")
     if any("dead" in row for row in rows):  # nag: how many branches are dead
         rows[-1]["dead"] = sum(row.get("dead", 0.0) for row in rows[:-1])
     return rows

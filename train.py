@@ -567,7 +567,7 @@ class StepStats:
         rows = [e for e, _ in self.executed if torch.is_tensor(e)]
         rows = iter(torch.stack(rows).tolist() if rows else [])
         for executed, tokens in self.executed:
-            frac = [float(e) / tokens for e in (next(rows) if torch.is_tensor(executed) else executed)]
+            frac = executed_fraction(next(rows) if torch.is_tensor(executed) else executed, tokens)
             self.flops += train_flops_per_token(self.config, frac) * self.micro_tokens
             self.exec_sum = frac if self.exec_sum is None else [a + b for a, b in zip(self.exec_sum, frac)]
             self.exec_n += 1
