@@ -83,6 +83,8 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 if not torch.cuda.is_available():  # the gpu section's dry run runs the kernels in Triton's interpreter on a CPU,
     os.environ.setdefault("TRITON_INTERPRET", "1")  # which must be on before triton is imported (by kernels)
@@ -384,6 +386,52 @@ def step_shape(title, device, dtype, use_compile, batch_size, cpu_layers, layers
 
 
 
+# ops that move no data (views, and allocations whose bytes the op that fills them counts)
+NO_TRAFFIC = {"view", "_unsafe_view", "as_strided", "t", "transpose", "expand", "permute", "select", "slice",
+              "unsqueeze", "squeeze", "detach", "alias", "unbind", "split", "split_with_sizes", "unflatten",
+              "lift_fresh", "diagonal", "view_as_real", "view_as_complex", "_reshape_alias", "empty",
+              "empty_strided", "empty_like", "new_empty", "new_empty_strided"}
+
+
+class Traffic(TorchDispatchMode):
+    """What a step asks of the dispatcher and of memory: `ops`, the aten ops it runs (views excluded), and
+    `bytes`, what they move if each op reads its inputs and writes its outputs once (every tensor it takes
+    or makes counted once). A model of eager traffic: caches and fusion are not in it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.bytes = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ not in NO_TRAFFIC:
+            self.ops += 1
+            tensors = {id(t): t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)}
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+        return out
+
+
+def step_counts(step):
+    """(matmul FLOPs, bytes moved, ops) of one call of step (torch's FlopCounterMode counts the matmuls and
+    attention; Traffic the rest)."""
+    traffic, counter = Traffic(), FlopCounterMode(display=False)
+    with counter, traffic:
+        step()
+    return counter.get_total_flops(), traffic.bytes, traffic.ops
+
+
+def fit_step_time(times, counts):
+    """Least squares of step time on (matmul FLOPs, bytes moved, ops) over the rows: the seconds each costs
+    here, or None with fewer than 4 rows. Each row's fitted time is then a sum of three parts, which says
+    what its step is bound by."""
+    names = [n for n in times if n in counts]
+    if len(names) < 4:
+        return None
+    A = torch.tensor([counts[n] for n in names], dtype=torch.float64)
+    t = torch.tensor([times[n] for n in names], dtype=torch.float64)
+    return torch.linalg.lstsq(A, t.unsqueeze(-1)).solution.squeeze(-1).tolist()
+
+
 def bench_model(device, dtype, use_compile, reps, batch_size, layers=0, optimizer="adamw"):
     gpu = device.type == "cuda"
     shape, B = step_shape("model step", device, dtype, use_compile, batch_size, cpu_layers=4, layers=layers)
@@ -391,17 +439,44 @@ def bench_model(device, dtype, use_compile, reps, batch_size, layers=0, optimize
                                                                  **VARIANTS}.items()}
     times, mem = time_steps(configs, device, dtype, use_compile, reps, B, optimizer=optimizer)
     idx = torch.randint(0, shape["vocab_size"], (B, shape["block_size"]), device=device)
-    saved = {}
+    saved, counts = {}, {}
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     for residual, config in configs.items():
         torch.manual_seed(0)
         saved[residual] = saved_activation_bytes(GPT(config).to(device), idx, dtype=dtype)
+        if not use_compile and residual in times:  # what an eager step asks of memory and of the dispatcher
+            step = train_step(config, False, device, autocast, B, "inductor", optimizer)
+            step()  # the optimizer's state made
+            counts[residual] = step_counts(step)
     print("| residual (option) | ms/step | vs prenorm | peak memory GiB | vs prenorm | saved MiB (eager) | vs prenorm |")
     print("|---|---|---|---|---|---|---|")
     for residual, t in times.items():
         mem_cols = f"{mem[residual]:.2f} | {mem[residual] / mem['prenorm']:.2f}x" if gpu else "n/a (CPU) |"
         print(f"| {residual} | {t * 1e3:.1f} | {t / times['prenorm']:.2f}x | {mem_cols} "
               f"| {saved[residual] / 2 ** 20:.1f} | {saved[residual] / saved['prenorm']:.2f}x |")
+    print_step_bounds(times, counts, B * shape["block_size"])
     return times
+
+
+def print_step_bounds(times, counts, tokens):
+    """Each row's step against what it moves: matmul FLOPs, bytes and ops per step as ratios to prenorm's,
+    then the least-squares fit of the step time on the three over the rows, and each row's time split into
+    its three parts (the largest part beside prenorm's is what bounds a design's step here)."""
+    if "prenorm" not in counts:
+        return
+    base = counts["prenorm"]
+    coef = fit_step_time(times, counts)
+    print(f"\nWhat each step moves (eager, one step; per token: / {tokens}) and what the time is made of:")
+    if coef is not None:
+        rates = [f"{1 / c / 1e9:.1f}" if c > 0 else "inf" for c in coef[:2]]
+        print(f"fit over the rows: matmuls at {rates[0]} GFLOP/s, bytes at {rates[1]} GB/s, {coef[2] * 1e6:.2f} us per op")
+    print("| residual (option) | matmul MFLOP/token | vs prenorm | KB moved/token | vs prenorm | ops/step | vs prenorm "
+          "| ms/step | fitted ms: matmuls + bytes + ops |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for residual, (f, b, o) in counts.items():
+        parts = " + ".join(f"{c * x * 1e3:.1f}" for c, x in zip(coef, (f, b, o))) if coef is not None else "n/a"
+        print(f"| {residual} | {f / tokens / 1e6:.2f} | {f / base[0]:.2f}x | {b / tokens / 1e3:.0f} | {b / base[1]:.2f}x "
+              f"| {o} | {o / base[2]:.2f}x | {times[residual] * 1e3:.1f} | {parts} |")
 
 
 MOD_RUNS = [("nag", "nag"), ("prenorm", "router")]  # (residual, mod) timed at each mod_rate

@@ -176,6 +176,57 @@ def _aligned(tensors):
     return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
+def _stacked(sources):
+    """The sources as one fp32 [S, ..., d]: what a reference's batched ops read. A copy made inside the
+    call and never saved, unless the caller's SourceStack holds them stacked already."""
+    return torch.stack([upcast(v) for v in sources])
+
+
+class SourceStack(tuple):
+    """The sources that depth_attention and dense_mix mix, as a model's stream appends them: a tuple of the
+    source tensors (what autograd and the Triton kernels take: each source where it lies) that, where the
+    reference runs eagerly (a CPU), also holds `buffer`: the same sources in fp32 in one preallocated
+    [capacity, ..., d] tensor, each copied in once, when it is appended. A reference then reads all S
+    sources as one contiguous [S, ..., d] view (stacked()): a few batched ops per call instead of a few per
+    source (on a CPU each small op costs more in overhead than in arithmetic), and no stacked copy per call.
+    A slot, once written, is never written again, so a mix may save its view for its backward (an append
+    leaves the buffer's version counter as it was); appending to a stack that was already extended (a
+    branch: a test that writes one state twice) copies the buffer first. The buffer is not autograd's: it holds the sources' values, and the gradients go to the
+    tensors. No buffer on a GPU (the kernels read the tuple) or under torch.compile (inductor fuses the
+    reference's transient stack)."""
+
+    def __new__(cls, tensors, buffer=None, filled=None):
+        stack = super().__new__(cls, tensors)
+        stack.buffer, stack.filled = buffer, filled  # filled: [the buffer's slots written], shared by its stacks
+        return stack
+
+    @classmethod
+    def start(cls, first, capacity, impl="auto"):
+        """A stack of one source, `first`, with room for `capacity` in all."""
+        if use_triton(impl, first) or torch.compiler.is_compiling():
+            return cls((first,))
+        buffer = torch.empty((capacity, *first.shape), dtype=acc_dtype(first), device=first.device)
+        return cls((), buffer, [0]).append(first)
+
+    def append(self, v):
+        """A new stack: these sources, then v (self is left as it was)."""
+        if self.buffer is None:
+            return SourceStack((*self, v))
+        S, buffer, filled = len(self), self.buffer, self.filled
+        if filled[0] != S or S == len(buffer):  # a branch, or full: a buffer of its own
+            buffer = torch.cat((buffer[:S], buffer.new_empty(max(len(buffer) - S, 1), *buffer.shape[1:])))
+            filled = [S]
+        # slots 0..S-1 are not touched: a mix that saved them sees its version unchanged, and may read them
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffer):
+            buffer[S].copy_(v)
+        filled[0] = S + 1
+        return SourceStack((*self, v), buffer, filled)
+
+    def stacked(self):
+        """The sources as one fp32 [S, ..., d]: the buffer's filled slots (a view), or a transient stack."""
+        return _stacked(self) if self.buffer is None else self.buffer[:len(self)]
+
+
 # -----------------------------------------------------------------------------
 # 1. rms_norm: x [..., d], weight [d] or None -> y [..., d];  rstd = 1 / sqrt(mean(x^2) + eps) per row
 
@@ -575,65 +626,71 @@ nag_update_backward_op.register_kernel("cpu", nag_update_bwd_torch)
 
 def depth_attention(sources, query, norm_weight, eps=1e-6, impl="auto"):
     """sum_s softmax_s(<query, RMSNorm(sources_s)>) sources_s: a softmax over depth per token.
-    sources: a list of S >= 1 tensors [..., d] of one shape and dtype, or one stacked [S, ..., d];
-    query and norm_weight [d]. Returns mix [..., d] in the sources' dtype."""
+    sources: a list of S >= 1 tensors [..., d] of one shape and dtype, one stacked [S, ..., d], or a
+    SourceStack; query and norm_weight [d]. Returns mix [..., d] in the sources' dtype."""
+    stack = sources if isinstance(sources, SourceStack) else None
     sources = _source_list(sources)
     if use_triton(impl, sources[0]):
         return depth_attention_op(sources, query, norm_weight, eps)[0]
+    stacked = stack.stacked() if stack is not None and stack.buffer is not None else None
     if not torch.is_grad_enabled():
         # nothing to save for a backward: the reference's forward alone (Dynamo also failed to
         # trace the autograd.Function in the model's compiled no-grad eval; test_compiled_eval_equals_eager)
-        return depth_attention_fwd_torch(sources, query, norm_weight, eps)[0]
-    return DepthAttentionTorch.apply(query, norm_weight, eps, *sources)
+        V = _stacked(sources) if stacked is None else stacked
+        with fp32_math(V):
+            return cast(_depth_attention_ref_fwd(V, query, norm_weight, eps)[0], sources[0].dtype)
+    return DepthAttentionTorch.apply(query, norm_weight, eps, stacked, *sources)
 
 
-# the reference: the kernels' formulas in plain PyTorch, one source at a time
+# the reference: the kernels' formulas in plain PyTorch, on the sources stacked as one fp32 V [S, ..., d] (a
+# SourceStack's buffer, or a transient stack), a few batched ops per call
 
-def _source_stats(sources, query, norm_weight, eps):
-    """(qw, <v_s, qw> [S, ...], rho_s = 1 / rms(v_s) [S, ...]) in fp32, one pass over each source
-    for each statistic. Per source, not stacked: a stacked copy costs more than the op calls."""
+def _source_stats(V, query, norm_weight, eps):
+    """(qw, <v_s, qw> [S, ...], rho_s = 1 / rms(v_s) [S, ...]) in fp32."""
     qw = upcast(query) * upcast(norm_weight)
-    dots = torch.stack([upcast(v) @ qw for v in sources])
-    norms = torch.stack([torch.linalg.vector_norm(v, dim=-1, dtype=qw.dtype) for v in sources])
-    return qw, dots, torch.rsqrt(norms.square_().div_(qw.numel()).add_(eps))
+    rho = torch.linalg.vector_norm(V, dim=-1).square_().div_(qw.numel()).add_(eps).rsqrt_()
+    return qw, V @ qw, rho
+
+
+def _depth_attention_ref_fwd(V, query, norm_weight, eps):
+    """(mix [..., d], lse [...], (dots, rho) [S, ...]: the statistics the backward reuses), fp32."""
+    qw, dots, rho = _source_stats(V, query, norm_weight, eps)
+    z = dots * rho
+    lse = torch.logsumexp(z, dim=0)
+    return (torch.exp(z - lse).unsqueeze(-1) * V).sum(0), lse, (dots, rho)
+
+
+def _depth_attention_ref_bwd(V, query, norm_weight, stats, lse, grad_mix):
+    """(grad V [S, ..., d], grad query, grad norm_weight), fp32; stats: the forward's (dots, rho)."""
+    qw, (dots, rho) = upcast(query) * upcast(norm_weight), stats
+    w = torch.exp(dots * rho - lse)
+    g = upcast(grad_mix)
+    g_v = torch.linalg.vecdot(V, g)  # <g, v_s>
+    gz = w * (g_v - (w * g_v).sum(0))  # through the softmax; <g, mix> = sum_s w_s <g, v_s>
+    c_q = gz * rho  # dz_s / d qw = rho_s v_s, dz_s / d v_s = rho_s qw - <v_s, qw> rho_s^3 v_s / d
+    c_v = c_q * dots * rho * rho / -qw.numel()
+    grad_V = (V * c_v.unsqueeze(-1)).addcmul_(w.unsqueeze(-1), g).addcmul_(c_q.unsqueeze(-1), qw)
+    dqw = (c_q.reshape(1, -1) @ V.reshape(-1, qw.numel())).squeeze(0)
+    return grad_V, dqw * upcast(norm_weight), dqw * upcast(query)
 
 
 def depth_attention_fwd_torch(sources: list[Tensor], query: Tensor, norm_weight: Tensor,
                               eps: float) -> tuple[Tensor, Tensor]:
     """(mix like a source, contiguous; lse [...] fp32)."""
     with fp32_math(sources[0]):
-        sources = [v.contiguous() for v in sources]
-        qw, dots, rho = _source_stats(sources, query, norm_weight, eps)
-        z = dots * rho
-        lse = torch.logsumexp(z, dim=0)
-        w = torch.exp(z - lse).unsqueeze(-1)
-        mix = sources[0] * w[0]  # fp32: the weighted sum accumulates in fp32, one source at a time,
-        for s in range(1, len(sources)):  # in one buffer, not a new [..., d] per source
-            if s < len(sources) - 1:
-                torch.addcmul(mix, sources[s], w[s], out=mix)  # in place (out=: the FLOP count sees an addcmul)
-            else:  # the last not in place: DepthAttentionTorch returns it (see cast)
-                mix = torch.addcmul(mix, sources[s], w[s])
+        mix, lse, _ = _depth_attention_ref_fwd(_stacked(sources), query, norm_weight, eps)
         return cast(mix, sources[0].dtype), lse
 
 
 def depth_attention_bwd_torch(sources: list[Tensor], query: Tensor, norm_weight: Tensor, lse: Tensor,
                               grad_mix: Tensor, eps: float) -> tuple[list[Tensor], Tensor, Tensor]:
-    """(a gradient per source, grad query, grad norm_weight)."""
+    """(a gradient per source, grad query, grad norm_weight): the op saves only lse, so the statistics are
+    recomputed here."""
     with fp32_math(grad_mix):
-        sources = [v.contiguous() for v in sources]
-        qw, dots, rho = _source_stats(sources, query, norm_weight, eps)
-        w = torch.exp(dots * rho - lse)
-        g = upcast(grad_mix.contiguous())
-        g_v = torch.stack([torch.linalg.vecdot(upcast(v), g) for v in sources])  # <g, v_s>
-        gz = w * (g_v - (w * g_v).sum(0))  # through the softmax; <g, mix> = sum_s w_s <g, v_s>
-        c_q = gz * rho  # dz_s / d qw = rho_s v_s, dz_s / d v_s = rho_s qw - <v_s, qw> rho_s^3 v_s / d
-        c_v = c_q * dots * rho * rho / -qw.numel()
-        grads, dqw = [], torch.zeros_like(qw)
-        for v, w_s, cq_s, cv_s in zip(sources, w.unsqueeze(-1), c_q.unsqueeze(-1), c_v.unsqueeze(-1)):
-            dv = (g * w_s).addcmul_(cq_s, qw).addcmul_(v, cv_s)
-            grads.append(dv.to(v.dtype))
-            dqw.addmv_(upcast(v).reshape(-1, qw.numel()).T, cq_s.reshape(-1))
-        return grads, (dqw * upcast(norm_weight)).to(query.dtype), (dqw * upcast(query)).to(norm_weight.dtype)
+        V = _stacked(sources)
+        stats = _source_stats(V, query, norm_weight, eps)[1:]
+        grad_V, gq, gw = _depth_attention_ref_bwd(V, query, norm_weight, stats, lse, grad_mix)
+        return [g.to(v.dtype, copy=True) for g, v in zip(grad_V, sources)], gq.to(query.dtype), gw.to(norm_weight.dtype)
 
 
 def _depth_attention_save(ctx, sources, query, norm_weight, lse, eps):
@@ -650,20 +707,28 @@ def _depth_attention_grads(ctx, grad_mix, backward):
 
 
 class DepthAttentionTorch(torch.autograd.Function):
-    """The reference with autograd (impl="torch"): it saves what the op saves (the sources, query,
-    norm_weight and lse); the sources are passed one by one so that autograd saves them as they are
-    (no stacked copy) and gives each its own gradient."""
+    """The reference with autograd (impl="torch"): it saves the sources (passed one by one, so that autograd
+    saves them as they are and gives each its own gradient), the query, norm_weight and lse as the op does,
+    and, unlike the op, the forward's per-source statistics (dots and rho: 2 S fp32 per token), which spares
+    the backward two passes over the sources. stacked: a SourceStack's buffer view of the same sources,
+    saved too (one storage, shared by every mix of the stack), or None: a transient stack in each direction."""
 
     @staticmethod
-    def forward(ctx, query, norm_weight, eps, *sources):
-        mix, lse = depth_attention_fwd_torch(list(sources), query, norm_weight, eps)
-        _depth_attention_save(ctx, sources, query, norm_weight, lse, eps)
-        return mix
+    def forward(ctx, query, norm_weight, eps, stacked, *sources):
+        V = _stacked(sources) if stacked is None else stacked
+        with fp32_math(V):
+            mix, lse, (dots, rho) = _depth_attention_ref_fwd(V, query, norm_weight, eps)
+        ctx.save_for_backward(query, norm_weight, lse, dots, rho, stacked, *sources)
+        return cast(mix, sources[0].dtype)
 
     @staticmethod
     def backward(ctx, grad_mix):
-        grads, gq, gw = _depth_attention_grads(ctx, grad_mix, depth_attention_bwd_torch)
-        return gq, gw, None, *grads
+        query, norm_weight, lse, dots, rho, stacked, *sources = ctx.saved_tensors
+        V = _stacked(sources) if stacked is None else stacked
+        with fp32_math(grad_mix):
+            grad_V, gq, gw = _depth_attention_ref_bwd(V, query, norm_weight, (dots, rho), lse, grad_mix)
+        grads = [g.to(v.dtype) for g, v in zip(grad_V, sources)]  # views of grad_V where the dtypes agree
+        return gq.to(query.dtype), gw.to(norm_weight.dtype), None, None, *grads
 
 
 def _source_list(sources, op="depth_attention"):
@@ -1441,10 +1506,11 @@ hc_post_mix_backward_op.register_kernel("cpu", hc_post_mix_bwd_torch)
 # backward (S + C) d b read, S d b written, plus the weights.
 
 def dense_mix(sources, weights, impl="auto"):
-    """The weighted sum of S sources (a list of S >= 1 tensors [..., d] of one shape and dtype, or one
-    stacked [S, ..., d]): weights [S] -> out [..., d] = sum_s w[s] x_s (one weight per source: DenseFormer's
-    DWA); weights [..., C, S] -> out [..., C, d], out_c = sum_s w[c, s] x_s (per token and way: MUDDFormer).
-    fp32 inside; out in the sources' dtype."""
+    """The weighted sum of S sources (a list of S >= 1 tensors [..., d] of one shape and dtype, one
+    stacked [S, ..., d], or a SourceStack): weights [S] -> out [..., d] = sum_s w[s] x_s (one weight per
+    source: DenseFormer's DWA); weights [..., C, S] -> out [..., C, d], out_c = sum_s w[c, s] x_s (per token
+    and way: MUDDFormer). fp32 inside; out in the sources' dtype."""
+    stack = sources if isinstance(sources, SourceStack) else None
     sources = _source_list(sources, "dense_mix")
     S, v = len(sources), sources[0]
     if weights.shape[-1] != S or (weights.dim() > 1 and weights.shape[:-2] != v.shape[:-1]):
@@ -1452,81 +1518,82 @@ def dense_mix(sources, weights, impl="auto"):
                          f"got {tuple(weights.shape)}")
     if use_triton(impl, v):
         return dense_mix_op(sources, weights)
+    stacked = stack.stacked() if stack is not None and stack.buffer is not None else None
     if not torch.is_grad_enabled():
-        return dense_mix_fwd_torch(sources, weights)
-    return DenseMixTorch.apply(weights, *sources)
+        V = _stacked(sources) if stacked is None else stacked
+        with fp32_math(V):
+            return cast(_dense_mix_ref_fwd(V, weights), v.dtype)
+    return DenseMixTorch.apply(weights, stacked, *sources)
 
 
-# the reference. Shared weights: one pass over each source, in one fp32 buffer (an addcmul per source).
-# Per-token weights: batched matmuls over a stack of the sources made and freed inside the call. Either way
-# autograd saves the sources and the weights only.
+# the reference: batched ops on the sources stacked as one fp32 V [S, ..., d] (a SourceStack's buffer, or a
+# transient stack made inside the call); autograd saves the sources and the weights only.
 
-def _stacked(sources):
-    """The sources as one fp32 [..., S, d] (a copy, for one matmul; never saved)."""
-    return torch.stack([upcast(v) for v in sources], -2)
+def _dense_mix_ref_fwd(V, weights):
+    """out [..., d] (weights [S]: one matrix-vector product) or [..., C, d] (weights [..., C, S]: a batched
+    matmul), fp32."""
+    w = upcast(weights)
+    if w.dim() == 1:
+        return torch.tensordot(w, V, dims=1)
+    return torch.matmul(w, V.movedim(0, -2))
+
+
+def _dense_mix_ref_bwd(V, weights, grad):
+    """(grad V: [S, ..., d] (weights [S]) or [..., S, d] (weights [..., C, S]), grad weights), fp32."""
+    g, w = upcast(grad), upcast(weights)
+    if w.dim() == 1:  # dx_s = w[s] g; dw[s] = <g, x_s> over all tokens
+        return w.view(-1, *(1,) * g.dim()) * g, V.reshape(len(w), -1) @ g.reshape(-1)
+    # dx_s = sum_c w[c, s] g_c for all s; dw[c, s] = <g_c, x_s>
+    return torch.matmul(w.transpose(-1, -2), g), torch.matmul(g, V.movedim(0, -1))
+
+
+def _dense_mix_source_grads(grad_V, weights, sources, copy):
+    """grad V split into a gradient per source, each in its source's dtype; copy=False: views where the dtypes
+    agree."""
+    per_source = grad_V.unbind(0 if weights.dim() == 1 else -2)
+    return [g.to(v.dtype, copy=copy) for g, v in zip(per_source, sources)]
 
 
 def dense_mix_fwd_torch(sources: list[Tensor], weights: Tensor) -> Tensor:
     """out [..., d] (weights [S]) or [..., C, d] (weights [..., C, S]) in the sources' dtype, fp32 inside."""
-    x0 = sources[0]
-    with fp32_math(x0):
-        w = upcast(weights)
-        if w.dim() > 1:  # per token: a batched matmul over a transient stack of the sources (freed at once,
-            # never saved): on a CPU 2x faster than an addcmul per source, whose [..., C, d] products are tiny
-            return cast(torch.matmul(w, _stacked(sources)), x0.dtype)
-        out = upcast(x0) * w[0]
-        for s in range(1, len(sources)):
-            w_s = w[s]
-            if s < len(sources) - 1:
-                torch.addcmul(out, sources[s], w_s, out=out)  # in place: one buffer for the whole sum
-            else:  # the last not in place: DenseMixTorch returns it (see cast)
-                out = torch.addcmul(out, sources[s], w_s)
-        return cast(out, x0.dtype)
-
-
-def _dense_mix_grads(sources, weights, grad, copy):
-    """dense_mix_bwd_torch's results; copy=False: the per-token case's source gradients may be views of one
-    [..., S, d]."""
-    with fp32_math(grad):
-        g, w = upcast(grad), upcast(weights)
-        if weights.dim() == 1:  # dx_s = w[s] g; dw[s] = <g, x_s> over all tokens
-            grads = [(g * w[s]).to(v.dtype) for s, v in enumerate(sources)]
-            gw = torch.stack([torch.dot(g.reshape(-1), upcast(v).reshape(-1)) for v in sources])
-        else:  # batched matmuls: dx_s = sum_c w[c, s] g_c for all s; dw[c, s] = <g_c, x_s> (a transient stack)
-            dx = torch.matmul(w.transpose(-1, -2), g)  # [..., S, d]
-            grads = [t.to(v.dtype, copy=copy) for t, v in zip(dx.unbind(-2), sources)]
-            gw = torch.matmul(g, _stacked(sources).transpose(-1, -2))
-        return grads, gw.to(weights.dtype)
+    with fp32_math(sources[0]):
+        return cast(_dense_mix_ref_fwd(_stacked(sources), weights), sources[0].dtype)
 
 
 def dense_mix_bwd_torch(sources: list[Tensor], weights: Tensor, grad: Tensor) -> tuple[list[Tensor], Tensor]:
     """(a gradient per source in its dtype, grad weights in the weights' dtype). An op's outputs may not
-    alias: the per-token case's views are copied here (DenseMixTorch takes the views)."""
-    return _dense_mix_grads(sources, weights, grad, copy=True)
+    alias: the source gradients are copies."""
+    with fp32_math(grad):
+        grad_V, gw = _dense_mix_ref_bwd(_stacked(sources), weights, grad)
+        return _dense_mix_source_grads(grad_V, weights, sources, copy=True), gw.to(weights.dtype)
 
 
 def _dense_mix_grads_of(ctx, grad, backward):
-    """The autograd glue of both paths (DenseMixTorch, and the Triton op's register_autograd, which both save
-    the weights and the sources as they are): (a gradient per source, grad weights) by `backward`, the
-    reference's or the op's."""
+    """The autograd glue of the Triton op's register_autograd (which saves the weights and the sources as they
+    are): (a gradient per source, grad weights) by `backward`."""
     weights, *sources = ctx.saved_tensors
     return backward(sources, weights, grad)
 
 
 class DenseMixTorch(torch.autograd.Function):
     """The reference with autograd (impl="torch"): saves the weights and the sources as they are (passed
-    one by one: no stacked copy, a gradient each)."""
+    one by one: a gradient each). stacked: a SourceStack's buffer view of the same sources, saved too (one
+    storage, shared by every mix of the stack), or None: a transient stack in each direction."""
 
     @staticmethod
-    def forward(ctx, weights, *sources):
-        ctx.save_for_backward(weights, *sources)
-        return dense_mix_fwd_torch(list(sources), weights)
+    def forward(ctx, weights, stacked, *sources):
+        ctx.save_for_backward(weights, stacked, *sources)
+        V = _stacked(sources) if stacked is None else stacked
+        with fp32_math(V):
+            return cast(_dense_mix_ref_fwd(V, weights), sources[0].dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        grads, gw = _dense_mix_grads_of(ctx, grad, lambda sources, weights, grad: _dense_mix_grads(
-            sources, weights, grad, copy=False))  # autograd takes the views: no copy
-        return gw, *grads
+        weights, stacked, *sources = ctx.saved_tensors
+        V = _stacked(sources) if stacked is None else stacked
+        with fp32_math(grad):
+            grad_V, gw = _dense_mix_ref_bwd(V, weights, grad)
+        return gw.to(weights.dtype), None, *_dense_mix_source_grads(grad_V, weights, sources, copy=False)
 
 
 if triton is not None:

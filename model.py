@@ -23,7 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import optim
-from kernels import IMPLS, dense_mix, depth_attention, fp32_math, hc_post_mix, mhc_pre_mix, nag_update, rms_norm, sinkhorn, upcast
+from kernels import (IMPLS, SourceStack, dense_mix, depth_attention, fp32_math, hc_post_mix, mhc_pre_mix, nag_update,
+                     rms_norm, sinkhorn, upcast)
 
 
 # -----------------------------------------------------------------------------
@@ -870,7 +871,7 @@ class AttnRes(Residual):
     stacks the sources, the O(L^2 d) copy that the kernel avoids."""
 
     class State(NamedTuple):
-        blocks: list  # the finished sources: b_0 = the embedding, then one per finished block
+        blocks: SourceStack  # the finished sources: b_0 = the embedding, then one per finished block
         partial: Optional[torch.Tensor]  # the running sum of the current block's outputs (None: none yet)
 
     options = dict(  # the paper's ablations (§5.3)
@@ -932,13 +933,13 @@ class AttnRes(Residual):
         # every source in the compute dtype (bf16 under autocast), so none is promoted to fp32
         if torch.is_autocast_enabled(e.device.type):
             e = e.to(torch.get_autocast_dtype(e.device.type))
-        return self.State([e], None)
+        return self.State(SourceStack.start(e, 1 + sum(self.ends), self.impl), None)
 
     def sources(self, state):
         """The list of sources a sublayer mixes. Each tensor is written once and read where it lies
         (depth_attention takes the list): re-stacking them at every sublayer would copy and save
         O(L^2 d) per token."""
-        return state.blocks if state.partial is None else state.blocks + [state.partial]
+        return list(state.blocks) if state.partial is None else [*state.blocks, state.partial]
 
     def tokens(self, state):
         return self.sources(state)  # a write adds to the partial sum or starts one; finished blocks stay
@@ -962,8 +963,9 @@ class AttnRes(Residual):
         sources = self.sources(state)
         if l == 0:
             return sources[0]
-        if self.fused:
-            return depth_attention(sources, self.queries[l - 1], self.key_norm_weights[l - 1], impl=self.impl)
+        if self.fused:  # the finished blocks alone: their stack, whose reference reads them as one buffer
+            mixed = state.blocks if state.partial is None else sources
+            return depth_attention(mixed, self.queries[l - 1], self.key_norm_weights[l - 1], impl=self.impl)
         alpha = self.weights(sources, l).unsqueeze(-1)
         return sum(a * v for a, v in zip(alpha, sources)).type_as(sources[0])
 
@@ -973,7 +975,7 @@ class AttnRes(Residual):
     def write(self, state, l, out, carry):
         partial = out if state.partial is None else state.partial + out
         if self.ends[l]:
-            return self.State(state.blocks + [partial], None)
+            return self.State(state.blocks.append(partial), None)
         return self.State(state.blocks, partial)
 
     def write_kept(self, state, l, out, carry, route):
@@ -1304,10 +1306,10 @@ class DenseFormer(Residual):
 
     class State(NamedTuple):
         x: torch.Tensor  # the stream
-        outputs: list  # X_0 (the embedding), X_1, ..: the stream leaving each block so far, before its DWA
+        outputs: SourceStack  # X_0 (the embedding), X_1, ..: the stream leaving each block so far, before its DWA
     options = dict(dwa_dilation=None, dwa_period=None, dwa_decay=None)
     mods, ops, starts_as = ("router",), ("rms_norm", "dense_mix"), "prenorm"
-    vector_flops = ("dwa",)  # weighted sums of whole outputs: broadcasts, not matmuls
+    vector_flops = ()  # the DWA is a matrix-vector product in dense_mix's reference, as FlopCounterMode sees it
 
     @staticmethod
     def check(config):
@@ -1359,7 +1361,7 @@ class DenseFormer(Residual):
         return ", a DWA after every block" if (k, p) == (1, 1) else f", {k}x{p}-DenseFormer (dilation {k}, period {p})"
 
     def embed(self, e):
-        return self.State(e, [e])
+        return self.State(e, SourceStack.start(e, len(self.group) + 1, self.impl))
 
     def read(self, state, l):
         return self.norms[l](state.x), None
@@ -1370,13 +1372,14 @@ class DenseFormer(Residual):
             return None
         group, k = self.group[i - 1], self.shape[0]
         w = self.alpha[self.row[i - 1], group[0]::k][:len(group)]  # the group's weights, a view of alpha's row
-        return dense_mix(outputs[group[0]::k], w, impl=self.impl)  # one op, no stacked copy of the outputs
+        sources = outputs if k == 1 else outputs[group[0]::k]  # k = 1: every output, the whole stack
+        return dense_mix(sources, w, impl=self.impl)  # one op, no stacked copy of the outputs
 
     def write(self, state, l, out, carry):
         x = state.x + out
         if l % 2 == 0:
             return self.State(x, state.outputs)
-        outputs = state.outputs + [x]
+        outputs = state.outputs.append(x)
         mixed = self.average(outputs, l // 2 + 1)
         return self.State(x if mixed is None else mixed, outputs)
 
@@ -1384,14 +1387,14 @@ class DenseFormer(Residual):
         x = route.scatter_add(state.x, route.weigh(out))
         if l % 2 == 0:
             return self.State(x, state.outputs)
-        outputs = state.outputs + [x]
+        outputs = state.outputs.append(x)
         mixed = self.average(outputs, l // 2 + 1)
         if mixed is not None:  # a token that skipped the MLP keeps its stream
             x = torch.where(route.ran(*x.shape[:2], x.device).unsqueeze(-1), mixed, x)
         return self.State(x, outputs)
 
     def skip(self, state, l):
-        return state if l % 2 == 0 else self.State(state.x, state.outputs + [state.x])  # X_i is still recorded
+        return state if l % 2 == 0 else self.State(state.x, state.outputs.append(state.x))  # X_i is still recorded
 
     def head(self, state, lm_head):
         return lm_head(self.norm_f(state.x))
@@ -1510,7 +1513,7 @@ class MUDD(Residual):
 
     class State(NamedTuple):
         x: torch.Tensor  # the residual way x_r: what the next block adds to (after the last block, the head's input)
-        outputs: list  # X_0 (the embedding), .., X_i: the outputs of the blocks so far
+        outputs: SourceStack  # X_0 (the embedding), .., X_i: the outputs of the blocks so far
         qkv: Optional[tuple]  # the next attention's query, key and value ways (mudd_ways=4), else None
     options = dict(mudd_ways=(4, 1))
     mods, ops, starts_as = (), ("rms_norm", "dense_mix"), "prenorm"
@@ -1547,7 +1550,7 @@ class MUDD(Residual):
         self.w2 = nn.ParameterList(nn.Parameter(torch.zeros(C * n, h)) for C, n, h in shapes)
         self.static = nn.ParameterList(nn.Parameter(F.one_hot(torch.tensor(n - 1), n).float().repeat(C, 1))
                                        for C, n, h in shapes)
-        self.impl = config.kernels
+        self.impl, self.n_outputs = config.kernels, L + 1
 
     def no_decay_parameters(self):
         return list(self.static)  # the static weights, as any mixing weights
@@ -1556,7 +1559,7 @@ class MUDD(Residual):
         return [*self.w1, *self.w2]  # projections of the newest output
 
     def embed(self, e):
-        return self.State(e, [e], None)
+        return self.State(e, SourceStack.start(e, self.n_outputs, self.impl), None)
 
     def read(self, state, l):
         if l % 2 or state.qkv is None:
@@ -1574,7 +1577,7 @@ class MUDD(Residual):
         x = state.x + out
         if l % 2 == 0:
             return self.State(x, state.outputs, None)
-        outputs = state.outputs + [x]
+        outputs = state.outputs.append(x)
         dw = self.weights(x, l // 2)
         ways = dense_mix(outputs, dw, impl=self.impl).unbind(-2)  # way c: sum_j dw[c, j] X_j
         *qkv, x = ways  # (query, key, value,) residual: the last way is the residual

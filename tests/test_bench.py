@@ -60,17 +60,45 @@ def test_bench_prints_every_kernel_and_mode(capsys, monkeypatch, tiny_steps):
         assert f"| {residual} |" in out
     # the model table: each mode's ratio is its own step time over prenorm's, and its saved activations
     # over prenorm's (attnres keeps every sublayer's output: more than prenorm)
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-            for line in out.split("## model step")[1].split("##")[0].splitlines() if line.startswith("| ")}
+    model_section, bounds = out.split("## model step")[1].split("##")[0].split("What each step moves")
+
+    def table(text):
+        return {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+                for line in text.splitlines() if line.startswith("| ") and not line.startswith("| residual")}
+    rows = table(model_section)
     for residual in modes:
         ms, ratio, _, _, saved_mib, saved_ratio = rows[residual]
         assert ratio == f"{times[residual] / times['prenorm']:.2f}x"
         assert saved_mib == f"{saved[residual] / 2 ** 20:.1f}"
         assert saved_ratio == f"{saved[residual] / saved['prenorm']:.2f}x"
     assert saved["attnres"] > saved["prenorm"]
+    # what each step moves: a row per mode, its step time as in the first table, and the fitted parts
+    moved = table(bounds)
+    assert set(moved) == set(modes) and "fit over the rows" in bounds
+    for residual in modes:
+        *_, kb, kb_ratio, ops, ops_ratio, ms, parts = moved[residual]
+        assert ms == f"{times[residual] * 1e3:.1f}" and int(ops) > 0 and float(kb) > 0
+        assert len(parts.split(" + ")) == 3
+    assert int(moved["mhc"][4]) > int(moved["prenorm"][4])  # Sinkhorn's iterations: more ops than prenorm
     for residual, mod in bench.MOD_RUNS:
         assert all((residual, mod, rate) in times for rate in (0.0, 0.25, 0.5))
         assert f"| {residual} | {mod} | 0.5 |" in out
+
+
+def test_traffic_counts_ops_and_bytes_and_the_fit_recovers_known_costs():
+    """Traffic: an add of two 1000-float tensors is one op moving 12,000 bytes; a view moves nothing. The fit
+    returns the per-unit costs that made a set of synthetic times."""
+    a, b = torch.randn(1000), torch.randn(1000)
+    traffic = bench.Traffic()
+    with traffic:
+        c = a + b
+        c.view(10, 100).t()
+    assert (traffic.ops, traffic.bytes) == (1, 12000)
+    counts = {name: (f, by, o) for name, f, by, o in
+              [("a", 1e9, 1e8, 1000), ("b", 2e9, 1e8, 3000), ("c", 1e9, 5e8, 2000), ("d", 3e9, 2e8, 9000)]}
+    times = {name: 2e-12 * f + 3e-11 * by + 5e-6 * o for name, (f, by, o) in counts.items()}
+    assert bench.fit_step_time(times, counts) == pytest.approx([2e-12, 3e-11, 5e-6], rel=1e-6)
+    assert bench.fit_step_time(dict(list(times.items())[:3]), counts) is None  # 3 rows: no fit
 
 
 def test_bench_rejects_an_unknown_section():

@@ -186,7 +186,7 @@ def test_model_mix_matches_per_source_sums(mode, kw):
         x = state.x + out
         if l % 2 == 0:
             return self.State(x, state.outputs, None)
-        outputs = state.outputs + [x]
+        outputs = list(state.outputs) + [x]  # the list the stack replaced
         dw = self.weights(x, l // 2)
         *qkv, x = [sum(dw[..., c, j, None] * X for j, X in enumerate(outputs)) for c in range(dw.size(-2))]
         return self.State(x, outputs, tuple(qkv) if qkv else None)

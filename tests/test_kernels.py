@@ -282,6 +282,97 @@ def test_depth_attention_stacked_sources(layout):
     compare(lambda s, q, w, impl: kernels.depth_attention(s, q, w, impl=impl), [stacked, q, w], torch.float32)
 
 
+def source_stack_chain(use_stack, dtype, grow=4):
+    """A chain as the models make it: each step mixes every source so far (depth_attention, dense_mix with
+    shared weights, dense_mix with per-token weights, in turn) and appends the result, from a SourceStack (or
+    a plain list); capacity 3, so the stack outgrows its buffer. Returns (the outputs, grads of every input)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 24, dtype=dtype, requires_grad=True)
+    params = [torch.randn(2, 24, dtype=dtype, requires_grad=True) for _ in range(grow)]
+    sources = kernels.SourceStack.start(x, 3, "torch") if use_stack else [x]
+    outs = []
+    for i, p in enumerate(params):
+        S = len(sources)
+        if i % 3 == 0:
+            y = kernels.depth_attention(sources, p[0], p[1], impl="torch")
+        elif i % 3 == 1:
+            y = kernels.dense_mix(sources, p[0, :S], impl="torch")
+        else:
+            w = (x[..., :2 * S].unflatten(-1, (2, S)) * p[0, :2 * S].view(2, S)).tanh()
+            y = kernels.dense_mix(sources, w, impl="torch").sum(-2)
+        outs.append(y)
+        sources = sources.append(y) if use_stack else sources + [y]
+    loss = sum((o.float() * (i + 1)).sum() for i, o in enumerate(outs))
+    return outs, torch.autograd.grad(loss, [x, *params])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_source_stack_mixes_equal_the_lists(dtype):
+    """A SourceStack's buffer holds the sources the list holds: the same mixes and gradients bit for bit
+    (the reference stacks the list the same way), across appends past the buffer's capacity and backwards
+    that run after later appends."""
+    a, b = source_stack_chain(True, dtype), source_stack_chain(False, dtype)
+    for x, y in zip(a[0] + list(a[1]), b[0] + list(b[1])):
+        assert torch.equal(x, y)
+
+
+def test_source_stack_branches_keep_their_own_slots():
+    """Two appends to one stack (a test writing one state twice) give two stacks, each holding its own source,
+    and the first mix's backward still reads the slots it mixed."""
+    torch.manual_seed(0)
+    e, b, c = (torch.randn(3, 8, requires_grad=True) for _ in range(3))
+    root = kernels.SourceStack.start(e, 4, "torch")
+    first = root.append(b)
+    q, w = torch.randn(8), torch.ones(8)
+    mix = kernels.depth_attention(first, q, w, impl="torch")
+    second = root.append(c)
+    assert torch.equal(first.stacked()[1], b.detach()) and torch.equal(second.stacked()[1], c.detach())
+    assert first.stacked()[0].data_ptr() != second.stacked()[0].data_ptr()  # the branch got its own buffer
+    third = first.append(c)  # first's buffer, extended in place
+    assert third.buffer is first.buffer and torch.equal(third.stacked()[2], c.detach())
+    grads = torch.autograd.grad(mix.sum(), [e, b])
+    expect = torch.autograd.grad(kernels.depth_attention([e, b], q, w, impl="torch").sum(), [e, b])
+    for g, h in zip(grads, expect):
+        assert torch.equal(g, h)
+
+
+def test_source_stack_buffer_is_saved_once():
+    """The mixes of one stack save its buffer (so saved-activation counts and hooks see it) as one storage,
+    whatever the number of mixes; the appends after a mix leave its saved view valid for the backward."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, requires_grad=True)
+    q, w = torch.randn(16), torch.ones(16)
+
+    def chain():
+        stack = kernels.SourceStack.start(x, 6, "torch")
+        for _ in range(5):
+            stack = stack.append(kernels.depth_attention(stack, q, w, impl="torch") * 0.5 + x)
+        return stack[-1]
+    _, saved, out = saved_storage(chain)
+    buffers = [t for t in saved if t.untyped_storage().nbytes() == 6 * 4 * 16 * 4]
+    assert len(buffers) == 1 and buffers[0].dtype == torch.float32
+    out.sum().backward()
+    assert x.grad.abs().max() > 0
+
+
+def test_source_stack_has_no_buffer_where_the_reference_does_not_run_eagerly():
+    """The Triton path reads the list (no buffer), and so does torch.compile, which fuses the reference."""
+    x = torch.randn(2, 8, requires_grad=True)
+    assert kernels.SourceStack.start(x, 4, "torch").buffer is not None
+    if kernels.triton is not None:
+        assert kernels.SourceStack.start(x, 4, "triton").buffer is None
+    seen = []
+
+    def f(x):
+        stack = kernels.SourceStack.start(x, 4, "torch")
+        seen.append(stack.buffer is None)
+        return kernels.dense_mix(stack.append(x * 2), torch.tensor([1.0, 0.5]), impl="torch")
+    torch._dynamo.reset()
+    out = torch.compile(f, backend="eager", fullgraph=True)(x)
+    torch._dynamo.reset()
+    assert seen == [True] and torch.equal(out, 2 * x.detach())
+
+
 def test_depth_attention_batch_dims_and_definition():
     """[B, T, d] sources: the reference against the definition, one source at a time, and the
     Triton kernels against the reference."""
@@ -552,17 +643,20 @@ def depth_chain(n_sources, impl, rows=16, d=64, dtype=torch.float32):
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_depth_attention_saves_each_source_once(impl):
     """A chain over S sources saves O(S) activations: each source and lse once (the sources are
-    shared by every later step), where re-stacking them would save sum_l l sources, O(S^2).
-    Measured (16 x 64 fp32 sources, 4 KiB each): S = 8: 32 KiB, S = 32: 141 KiB; the old stacked
-    reference saved 123 KiB and 2.1 MiB."""
+    shared by every later step), where re-stacking them would save sum_l l sources, O(S^2 d).
+    The reference (impl="torch") also keeps the forward's per-source dots and rho, 2 l floats per row
+    at step l: O(S^2) scalars, no d. Measured (16 x 64 fp32 sources, 4 KiB each): S = 8: 32 KiB,
+    S = 32: 141 KiB (the op); the old stacked reference saved 123 KiB and 2.1 MiB."""
     rows, d, f32 = 16, 64, 4
     for n in (8, 32):
-        total, _, out = saved_storage(lambda: depth_chain(n, impl, rows, d))
+        total, saved, out = saved_storage(lambda: depth_chain(n, impl, rows, d))
         # the n - 1 sources that a later step reads (the last one is only the output), and per
-        # step the lse and the query and weight
-        assert total <= (n - 1) * rows * d * f32 + (n - 1) * (rows + 2 * d) * f32, (n, total)
+        # step the lse and the query and weight (and the reference's statistics, per source mixed)
+        stats = sum(2 * l * rows * f32 for l in range(1, n)) if impl == "torch" else 0
+        assert total <= (n - 1) * rows * d * f32 + (n - 1) * (rows + 2 * d) * f32 + stats, (n, total)
         restacked = sum(l * rows * d * f32 for l in range(1, n))
-        assert n < 32 or total < restacked / 10
+        source_sized = sum(t.untyped_storage().nbytes() for t in saved if t.numel() >= rows * d)
+        assert n < 32 or source_sized < restacked / 10
         out.sum().backward()  # and what was saved makes a backward
 
 
