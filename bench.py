@@ -45,7 +45,10 @@ interleaved pairs; the model of --out_dir's checkpoint, or (no --out_dir) a rand
 --layers deep (0: 8) and --width wide (128), whose thresholds a few training-mode forwards on random
 tokens set. Prints the time saved against the skipped fraction (target: saved >= 0.8 x skipped) and
 the most any routing of that skipped fraction could save, skipped x (1 - skip-all / dense).
-model and compile also print the saved-activation bytes (each storage once) relative to prenorm.
+model and compile also print the saved-activation bytes (each storage once) relative to prenorm; model (eager)
+also what each step moves, counted by dispatch mode: matmul FLOPs, bytes (each op's inputs and outputs once) and
+ops, each against prenorm's, and a least-squares fit of the step times on the three over the rows, which splits
+each row's time into matmuls + bytes + ops (docs/kernels.md: what bounds a design's step).
 steps (not part of "all"): a training step of every cell of a sweep config (--sweep), built as its runs are,
 against its baseline cell, in --rounds interleaved rounds on this device: each cell's median time ratio
 with a 95% bootstrap interval, and every round's times in a CSV (--steps_out) that flops.py multiplier
