@@ -191,9 +191,10 @@ class SourceStack(tuple):
     source (on a CPU each small op costs more in overhead than in arithmetic), and no stacked copy per call.
     A slot, once written, is never written again, so a mix may save its view for its backward (an append
     leaves the buffer's version counter as it was); appending to a stack that was already extended (a
-    branch: a test that writes one state twice) copies the buffer first. The buffer is not autograd's: it holds the sources' values, and the gradients go to the
-    tensors. No buffer on a GPU (the kernels read the tuple) or under torch.compile (inductor fuses the
-    reference's transient stack)."""
+    branch: a test that writes one state twice) copies the buffer first, and a full buffer is copied into
+    one twice its size. The buffer is not autograd's: it holds the sources' values, and the gradients go
+    to the tensors. No buffer on a GPU (the kernels read the tuple) or under torch.compile (inductor fuses
+    the reference's transient stack)."""
 
     def __new__(cls, tensors, buffer=None, filled=None):
         stack = super().__new__(cls, tensors)
@@ -214,7 +215,8 @@ class SourceStack(tuple):
             return SourceStack((*self, v))
         S, buffer, filled = len(self), self.buffer, self.filled
         if filled[0] != S or S == len(buffer):  # a branch, or full: a buffer of its own
-            buffer = torch.cat((buffer[:S], buffer.new_empty(max(len(buffer) - S, 1), *buffer.shape[1:])))
+            capacity = max(len(buffer), 2 * S, S + 1)
+            buffer = torch.cat((buffer[:S], buffer.new_empty(capacity - S, *buffer.shape[1:])))
             filled = [S]
         # slots 0..S-1 are not touched: a mix that saved them sees its version unchanged, and may read them
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffer):

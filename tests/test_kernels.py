@@ -330,6 +330,8 @@ def test_source_stack_branches_keep_their_own_slots():
     assert first.stacked()[0].data_ptr() != second.stacked()[0].data_ptr()  # the branch got its own buffer
     third = first.append(c)  # first's buffer, extended in place
     assert third.buffer is first.buffer and torch.equal(third.stacked()[2], c.detach())
+    grown = kernels.SourceStack.start(e, 1, "torch").append(b).append(c)  # full at 1, then at 2: doubled each time
+    assert len(grown.buffer) == 4 and torch.equal(grown.stacked(), torch.stack([e, b, c]).detach())
     grads = torch.autograd.grad(mix.sum(), [e, b])
     expect = torch.autograd.grad(kernels.depth_attention([e, b], q, w, impl="torch").sum(), [e, b])
     for g, h in zip(grads, expect):
