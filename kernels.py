@@ -176,10 +176,10 @@ def _aligned(tensors):
     return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def _stacked(sources):
-    """The sources as one fp32 [S, ..., d]: what a reference's batched ops read. A copy made inside the
-    call and never saved, unless the caller's SourceStack holds them stacked already."""
-    return torch.stack([upcast(v) for v in sources])
+def _stacked(sources, buffered=None):
+    """The sources as one fp32 [S, ..., d]: what a reference's batched ops read. `buffered` (a SourceStack's
+    buffer view of them, _buffered) when given, else a copy made inside the call and never saved."""
+    return torch.stack([upcast(v) for v in sources]) if buffered is None else buffered
 
 
 class SourceStack(tuple):
@@ -226,7 +226,13 @@ class SourceStack(tuple):
 
     def stacked(self):
         """The sources as one fp32 [S, ..., d]: the buffer's filled slots (a view), or a transient stack."""
-        return _stacked(self) if self.buffer is None else self.buffer[:len(self)]
+        return _stacked(self, _buffered(self))
+
+
+def _buffered(sources):
+    """A SourceStack's sources as its buffer's filled slots (a view), or None: a list, a stacked tensor, or a
+    stack without a buffer (a GPU, torch.compile)."""
+    return sources.buffer[:len(sources)] if isinstance(sources, SourceStack) and sources.buffer is not None else None
 
 
 # -----------------------------------------------------------------------------
@@ -630,15 +636,14 @@ def depth_attention(sources, query, norm_weight, eps=1e-6, impl="auto"):
     """sum_s softmax_s(<query, RMSNorm(sources_s)>) sources_s: a softmax over depth per token.
     sources: a list of S >= 1 tensors [..., d] of one shape and dtype, one stacked [S, ..., d], or a
     SourceStack; query and norm_weight [d]. Returns mix [..., d] in the sources' dtype."""
-    stack = sources if isinstance(sources, SourceStack) else None
+    stacked = _buffered(sources)
     sources = _source_list(sources)
     if use_triton(impl, sources[0]):
         return depth_attention_op(sources, query, norm_weight, eps)[0]
-    stacked = stack.stacked() if stack is not None and stack.buffer is not None else None
     if not torch.is_grad_enabled():
         # nothing to save for a backward: the reference's forward alone (Dynamo also failed to
         # trace the autograd.Function in the model's compiled no-grad eval; test_compiled_eval_equals_eager)
-        V = _stacked(sources) if stacked is None else stacked
+        V = _stacked(sources, stacked)
         with fp32_math(V):
             return cast(_depth_attention_ref_fwd(V, query, norm_weight, eps)[0], sources[0].dtype)
     return DepthAttentionTorch.apply(query, norm_weight, eps, stacked, *sources)
@@ -717,7 +722,7 @@ class DepthAttentionTorch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, norm_weight, eps, stacked, *sources):
-        V = _stacked(sources) if stacked is None else stacked
+        V = _stacked(sources, stacked)
         with fp32_math(V):
             mix, lse, (dots, rho) = _depth_attention_ref_fwd(V, query, norm_weight, eps)
         ctx.save_for_backward(query, norm_weight, lse, dots, rho, stacked, *sources)
@@ -726,7 +731,7 @@ class DepthAttentionTorch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_mix):
         query, norm_weight, lse, dots, rho, stacked, *sources = ctx.saved_tensors
-        V = _stacked(sources) if stacked is None else stacked
+        V = _stacked(sources, stacked)
         with fp32_math(grad_mix):
             grad_V, gq, gw = _depth_attention_ref_bwd(V, query, norm_weight, (dots, rho), lse, grad_mix)
         grads = [g.to(v.dtype) for g, v in zip(grad_V, sources)]  # views of grad_V where the dtypes agree
@@ -1512,7 +1517,7 @@ def dense_mix(sources, weights, impl="auto"):
     stacked [S, ..., d], or a SourceStack): weights [S] -> out [..., d] = sum_s w[s] x_s (one weight per
     source: DenseFormer's DWA); weights [..., C, S] -> out [..., C, d], out_c = sum_s w[c, s] x_s (per token
     and way: MUDDFormer). fp32 inside; out in the sources' dtype."""
-    stack = sources if isinstance(sources, SourceStack) else None
+    stacked = _buffered(sources)
     sources = _source_list(sources, "dense_mix")
     S, v = len(sources), sources[0]
     if weights.shape[-1] != S or (weights.dim() > 1 and weights.shape[:-2] != v.shape[:-1]):
@@ -1520,9 +1525,8 @@ def dense_mix(sources, weights, impl="auto"):
                          f"got {tuple(weights.shape)}")
     if use_triton(impl, v):
         return dense_mix_op(sources, weights)
-    stacked = stack.stacked() if stack is not None and stack.buffer is not None else None
     if not torch.is_grad_enabled():
-        V = _stacked(sources) if stacked is None else stacked
+        V = _stacked(sources, stacked)
         with fp32_math(V):
             return cast(_dense_mix_ref_fwd(V, weights), v.dtype)
     return DenseMixTorch.apply(weights, stacked, *sources)
@@ -1585,14 +1589,14 @@ class DenseMixTorch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weights, stacked, *sources):
         ctx.save_for_backward(weights, stacked, *sources)
-        V = _stacked(sources) if stacked is None else stacked
+        V = _stacked(sources, stacked)
         with fp32_math(V):
             return cast(_dense_mix_ref_fwd(V, weights), sources[0].dtype)
 
     @staticmethod
     def backward(ctx, grad):
         weights, stacked, *sources = ctx.saved_tensors
-        V = _stacked(sources) if stacked is None else stacked
+        V = _stacked(sources, stacked)
         with fp32_math(grad):
             grad_V, gw = _dense_mix_ref_bwd(V, weights, grad)
         return gw.to(weights.dtype), None, *_dense_mix_source_grads(grad_V, weights, sources, copy=False)

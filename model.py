@@ -1361,6 +1361,8 @@ class DenseFormer(Residual):
         return ", a DWA after every block" if (k, p) == (1, 1) else f", {k}x{p}-DenseFormer (dilation {k}, period {p})"
 
     def embed(self, e):
+        if self.shape[0] > 1:  # a dilation mixes slices of the outputs, never the whole stack: no buffer
+            return self.State(e, SourceStack((e,)))
         return self.State(e, SourceStack.start(e, len(self.group) + 1, self.impl))
 
     def read(self, state, l):
@@ -1550,7 +1552,7 @@ class MUDD(Residual):
         self.w2 = nn.ParameterList(nn.Parameter(torch.zeros(C * n, h)) for C, n, h in shapes)
         self.static = nn.ParameterList(nn.Parameter(F.one_hot(torch.tensor(n - 1), n).float().repeat(C, 1))
                                        for C, n, h in shapes)
-        self.impl, self.n_outputs = config.kernels, L + 1
+        self.impl = config.kernels
 
     def no_decay_parameters(self):
         return list(self.static)  # the static weights, as any mixing weights
@@ -1559,7 +1561,7 @@ class MUDD(Residual):
         return [*self.w1, *self.w2]  # projections of the newest output
 
     def embed(self, e):
-        return self.State(e, SourceStack.start(e, self.n_outputs, self.impl), None)
+        return self.State(e, SourceStack.start(e, len(self.static) + 1, self.impl), None)  # X_0, one per block
 
     def read(self, state, l):
         if l % 2 or state.qkv is None:
