@@ -33,7 +33,8 @@ torch.compile's backend (inductor; aot_eager compiles in seconds, for a quick ch
 quickstart (not part of "all": whole training runs): `python train.py config/shakespeare_char_cpu.py`
 against a peer on the same recipe, both cut to --max_iters, as whole processes in --pairs interleaved pairs:
 median wall and CPU times, their ratios, each run's last val loss, and the time our run takes to reach the
-peer's last val loss (a third run per pair, evaluated every 25 iterations and stopped there). The peer:
+peer's last val loss (a third run per pair, evaluated every 25 iterations, finds the iteration; a fourth, ours
+as timed, stops there). The peer:
 nanoGPT itself with --nanogpt=DIR (a checkout: git clone https://github.com/karpathy/nanoGPT DIR; its data
 prepared from our text, as the error says; NANOGPT_ARGS is its command), or by default
 `python bench.py baseline config/shakespeare_char_cpu.py` (nanoGPT's model and loop on the same config, in
@@ -101,7 +102,7 @@ from run_config import REPO, pick_device  # noqa: E402
 DEFAULTS = dict(
     section="all",  # all (kernels, model, mod) | kernels | model | mod | compile | quickstart | sample | steps | gpu
     device="auto",  # auto (the GPU if there is one, else the CPU), cpu, cuda, cuda:1, ...
-    dtype="auto",  # auto (bf16 or fp16 on a GPU, fp32 on the CPU), float32, bfloat16, float16
+    dtype="auto",  # auto (bf16 or fp16 on a GPU, fp32 on a CPU: the designs' CPU figures), float32, bfloat16, float16
     compile=True,  # kernels: also time torch.compile of the references; model, mod: compile the step (GPU only)
     reps=0,  # timed calls per measurement (0: 50 on a GPU, 20 on a CPU)
     batch_size=0,  # model, mod, compile, gpu: sequences per step (0: the section's own)
@@ -551,7 +552,7 @@ def baseline_train(argv):
     the same data, batches, LR schedule (the same one-line cosine), AdamW groups, gradient clipping, evals
     (the same fixed batches) and checkpoints at evals. Prints the same 'step N: ... val loss X' lines."""
     cfg = configure(argv, run_config.DEFAULTS, run_config.HELP_FROM)
-    device, _, autocast = pick_device(cfg["device"], cfg["dtype"])
+    device, _, autocast = pick_device(cfg["device"], cfg["dtype"])  # as nanoGPT: fp32 on a CPU
     paths, vocab_size = run_config.find_data(cfg)
     torch.manual_seed(cfg["seed"])
     model = BaselineGPT(vocab_size, cfg["block_size"], cfg["n_layer"], cfg["n_head"], cfg["n_embd"],
@@ -611,6 +612,7 @@ NANOGPT_ARGS = ["train.py", "config/train_shakespeare_char.py", "--device=cpu", 
                 "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--dropout=0.0", "--eval_interval=250",
                 "--eval_iters=20"]
 EVAL_LINE = re.compile(r"^step (\d+): train loss [\d.]+, val loss ([\d.]+)", re.M)  # train.py's and nanoGPT's
+PROGRESS_LINE = re.compile(r"^iter (\d+)/\d+: ")  # train.py's progress line (train.log_line)
 
 
 def nanogpt_checkout(path):
@@ -629,27 +631,30 @@ def nanogpt_checkout(path):
     return path
 
 
-def run_timed(cmd, cwd, stop_below=None):
+def run_timed(cmd, cwd, stop_below=None, stop_at_iter=None):
     """Run cmd (unbuffered output) to its end: (wall seconds, CPU seconds of the process, its stdout, [(seconds
-    since its start, val loss)] of each eval line as it was printed). stop_below: the run is stopped (killed) at
-    its first eval at or below this val loss. A failed run raises with its output's end."""
+    since its start, val loss, iteration)] of each eval line as it was printed). The run is stopped (killed) at
+    its first eval at or below the val loss stop_below, or at its first progress line ('iter N/M: ...') of an
+    iteration N >= stop_at_iter. A failed run raises with its output's end."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines, evals = [], []
+    lines, evals, stopped = [], [], False
     for line in proc.stdout:
         lines.append(line)
-        found = EVAL_LINE.match(line)
+        found, progress = EVAL_LINE.match(line), PROGRESS_LINE.match(line)
         if found:
-            evals.append((time.perf_counter() - t0, float(found.group(2))))
-            if stop_below is not None and evals[-1][1] <= stop_below:
-                proc.kill()
-                break
+            evals.append((time.perf_counter() - t0, float(found.group(2)), int(found.group(1))))
+        stopped = (found is not None and stop_below is not None and evals[-1][1] <= stop_below) or \
+            (progress is not None and stop_at_iter is not None and int(progress.group(1)) >= stop_at_iter)
+        if stopped:
+            proc.kill()
+            break
     _, status, usage = os.wait4(proc.pid, 0)
     wall, out = time.perf_counter() - t0, "".join(lines)
     proc.stdout.close()
     proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0 and not (stop_below is not None and evals and evals[-1][1] <= stop_below):
+    if proc.returncode != 0 and not stopped:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{out[-2000:]}")
     return wall, usage.ru_utime + usage.ru_stime, out, evals
 
@@ -663,9 +668,10 @@ def bench_quickstart(pairs, max_iters, config=QUICKSTART, nanogpt=""):
     first alternates): the median of each, their ratio, the CPU time's ratio, each run's last val loss. The peer:
     nanoGPT itself (nanogpt: a checkout's path; ours then runs as the README's command does, its final eval
     included), or `bench.py baseline` (nanoGPT's model and loop in this repo; ours without its final eval,
-    which the baseline has not). Then, after each pair, the time to the peer's last val loss: ours again, with an
-    eval every TO_LOSS_EVALS iterations (more evals only add time: an upper bound), stopped at its first eval at
-    or below the pair's peer run's last val loss; the median against the peer's median wall.
+    which the baseline has not). Then, after each pair, the time to the peer's last val loss: ours again with an
+    eval every TO_LOSS_EVALS iterations, stopped at its first eval at or below the pair's peer run's last val loss
+    (its time, those evals included, is an upper bound), then ours as timed in the pair, stopped at that eval's
+    iteration (its progress line: one step past it); the medians against the peer's median wall.
     Returns {name: (median seconds, [last val losses])}."""
     peer = "nanoGPT itself" if nanogpt else "the nanoGPT-like baseline"
     print(f"\n## quickstart: python train.py {config} --max_iters={max_iters} vs {peer}, "
@@ -681,7 +687,7 @@ def bench_quickstart(pairs, max_iters, config=QUICKSTART, nanogpt=""):
                 "baseline (nanoGPT model and loop)": (["bench.py", "baseline", config, *cut], REPO)}
     ours, base = list(runs)
     walls, cpus, losses = ({name: [] for name in runs} for _ in range(3))
-    reached = []  # per pair: seconds until our finely evaluated run reached the peer's last val loss (None: never)
+    reached, bound, at_iter = [], [], []  # per pair: the time to the peer's loss, its upper bound, its iteration
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(pairs):
             for name, (args, cwd) in (list(runs.items()) if i % 2 == 0 else list(runs.items())[::-1]):
@@ -692,10 +698,22 @@ def bench_quickstart(pairs, max_iters, config=QUICKSTART, nanogpt=""):
                 walls[name].append(wall)
                 cpus[name].append(cpu)
                 losses[name].append(seen[-1][1])
+            # where our run reaches the peer's loss: evaluated every TO_LOSS_EVALS iterations, to the first eval
+            # at or below it (its evals and their checkpoints add time: that run's time is an upper bound)
+            target = losses[base][-1]
             fine = [sys.executable, "train.py", config, *cut, f"--eval_interval={TO_LOSS_EVALS}", "--final_eval_tokens=0",
                     f"--out_dir={os.path.join(tmp, f'{i}-to-loss')}"]
-            _, _, _, seen = run_timed(fine, REPO, stop_below=losses[base][-1])
-            reached.append(next((t for t, v in seen if v <= losses[base][-1]), None))
+            _, _, _, seen = run_timed(fine, REPO, stop_below=target)
+            first = next(((t, it) for t, v, it in seen if v <= target), None)
+            bound.append(first and first[0])
+            at_iter.append(first and first[1])
+            if first is None:
+                reached.append(None)
+                continue
+            # the time to it: our run as timed above (its evals every 250 iterations), stopped at that iteration
+            args, cwd = runs[ours]
+            timed = [sys.executable, *args, f"--log_interval={TO_LOSS_EVALS}", f"--out_dir={os.path.join(tmp, f'{i}-to-iter')}"]
+            reached.append(run_timed(timed, cwd, stop_at_iter=first[1])[0])
     median = {name: statistics.median(w) for name, w in walls.items()}
     print("| command | median wall s | vs the peer | median CPU s | vs the peer | last val loss |")
     print("|---|---|---|---|---|---|")
@@ -706,9 +724,11 @@ def bench_quickstart(pairs, max_iters, config=QUICKSTART, nanogpt=""):
     if None in reached:
         print(f"time to the peer's last val loss: not reached by {reached.count(None)} of our {pairs} runs")
     else:
-        print(f"time to the peer's last val loss ({statistics.median(losses[base]):.4f}): at most "
-              f"{statistics.median(reached):.1f} s, {statistics.median(reached) / median[base]:.2f}x the peer's wall "
-              f"(our run with an eval every {TO_LOSS_EVALS} iterations, to its first eval at or below it)")
+        t, b = statistics.median(reached), statistics.median(bound)
+        print(f"time to the peer's last val loss ({statistics.median(losses[base]):.4f}): {t:.1f} s, "
+              f"{t / median[base]:.2f}x the peer's wall (our run stopped at the iteration where it first reached it, "
+              f"evaluated every {TO_LOSS_EVALS}: median {statistics.median(at_iter):.0f}); with those evals "
+              f"at most {b:.1f} s, {b / median[base]:.2f}x")
     return {name: (median[name], losses[name]) for name in runs}
 
 
@@ -1341,7 +1361,7 @@ def main(argv=None):
         if warning:
             print(warning, flush=True)
         return data
-    device, dtype, _ = pick_device(cfg["device"], cfg["dtype"])  # the same rule as train.py's
+    device, dtype, _ = pick_device(cfg["device"], cfg["dtype"])  # the rule of train.py's on a GPU; fp32 on a CPU
     dtype = getattr(torch, dtype)
     run_config.keep_freed_memory(device)  # a CPU's steps timed with the allocator train.py runs them with
     reps = cfg["reps"] or (50 if device.type == "cuda" else 20)

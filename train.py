@@ -41,9 +41,9 @@ from guards import (Interrupted, RunKeeper, StopSignals, TrainingStopped, ZeroGr
                     resumed_config, rng_state, set_aside_previous_run, write_run_record)
 from model import GPT, diagnose, executed_fraction
 from plan import RunPlan
-from run_config import (DEFAULTS, EVAL_SEED, HELP_FROM, check_same_dataset, dataset_vocab, find_data, format_duration,
-                        get_batch, keep_freed_memory, load_checkpoint, model_config, muon_settings, pick_device,
-                        pick_threads, save_checkpoint, ThreadFollower)
+from run_config import (DEFAULTS, EVAL_SEED, HELP_FROM, check_same_dataset, cpu_computes_bf16, dataset_vocab, find_data,
+                        format_duration, get_batch, keep_freed_memory, load_checkpoint, model_config, muon_settings,
+                        pick_device, pick_threads, save_checkpoint, ThreadFollower)
 
 POSITIVE_KEYS = ("batch_size", "gradient_accumulation_steps", "eval_interval", "log_interval", "eval_iters")
 WANDB_NAMES = {"train_loss": "train/loss", "val_loss": "val/loss"}  # log.jsonl's names that wandb gets as nanoGPT's
@@ -661,7 +661,7 @@ def start_processes(cfg):
     dtype picked. A CPU run's allocator keeps the memory its steps free (keep_freed_memory)."""
     ddp = int(os.environ.get("RANK", -1)) != -1
     rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
-    device, cfg["dtype"], autocast = pick_device(cfg["device"], cfg["dtype"])
+    device, cfg["dtype"], autocast = pick_device(cfg["device"], cfg["dtype"], cpu_bf16=True)
     threads = pick_threads(cfg["threads"], device)
     if ddp:
         if device.type == "cuda":
@@ -693,7 +693,10 @@ def print_start(model, optimizer, cfg, world, accum, tokens_per_iter, threads=""
     if cfg["device"] == "cpu" and cfg["dtype"] == "float16":
         print("WARNING: float16 on the CPU is slower than float32, by a factor that depends on the CPU (the "
               "quickstart's steps: 1.2x to 1.7x on one, 11x on one without float16 instructions); use "
-              "--dtype=float32 (auto picks it on the CPU)", file=sys.stderr, flush=True)
+              "--dtype=auto (bfloat16 on a CPU that computes it natively, float32 elsewhere)", file=sys.stderr, flush=True)
+    if cfg["device"] == "cpu" and cfg["dtype"] == "bfloat16" and not cpu_computes_bf16():
+        print("WARNING: this CPU has no bfloat16 instructions (AVX512-BF16): its bfloat16 matmuls are emulated, "
+              "slower than float32; use --dtype=auto (float32 here)", file=sys.stderr, flush=True)
 
 
 def wrap_ddp(model, device, unused_parameters):

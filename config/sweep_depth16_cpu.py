@@ -6,7 +6,7 @@
 
 sweep_name = "sweep_depth16_cpu"
 train_config = "config/shakespeare_char_cpu.py"
-train_args = ["--device=cpu", "--max_iters=1000", "--lr_decay_iters=1000", "--eval_interval=500", "--eval_iters=20",
+train_args = ["--device=cpu", "--dtype=float32", "--max_iters=1000", "--lr_decay_iters=1000", "--eval_interval=500", "--eval_iters=20",
               "--log_interval=250", "--diagnose=True"]
 budget = None  # max_iters decides
 depths = [16]

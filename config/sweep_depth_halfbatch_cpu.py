@@ -11,7 +11,7 @@
 
 sweep_name = "sweep_depth_halfbatch_cpu"
 train_config = "config/shakespeare_char_cpu.py"
-train_args = ["--device=cpu", "--eval_interval=250", "--eval_iters=20", "--log_interval=50", "--batch_size=6"]
+train_args = ["--device=cpu", "--dtype=float32", "--eval_interval=250", "--eval_iters=20", "--log_interval=50", "--batch_size=6"]
 budget = 2.5e12
 depths, residuals = [], []  # no grid: the cells are named below
 runs = [("prenorm_L16_half_batch", {"residual": "prenorm", "n_layer": 16}),

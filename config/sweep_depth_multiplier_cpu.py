@@ -41,7 +41,7 @@
 
 sweep_name = "sweep_depth_multiplier_cpu"
 train_config = "config/shakespeare_char_cpu.py"
-train_args = ["--device=cpu", "--eval_interval=250", "--eval_iters=20", "--log_interval=50"]
+train_args = ["--device=cpu", "--dtype=float32", "--eval_interval=250", "--eval_iters=20", "--log_interval=50"]
 budgets = [2.5e12, 1e13]  # the designs'
 depths, residuals = [], []  # no grid: the cells are named below
 _designs = {  # (private: a leading _) the cells' keys, and their depths (a cell at each: <design>_L<depth>)

@@ -12,7 +12,7 @@
 
 sweep_name = "sweep_lr_check_cpu"
 train_config = "config/shakespeare_char_cpu.py"
-train_args = ["--device=cpu", "--eval_interval=250", "--eval_iters=20", "--log_interval=50"]
+train_args = ["--device=cpu", "--dtype=float32", "--eval_interval=250", "--eval_iters=20", "--log_interval=50"]
 budget = 5e12
 depths, residuals = [], []  # no grid: the cells are named below
 _designs = [  # (private: a leading _) the Muon comparison's designs (config/sweep_muon_cpu.py)

@@ -7,7 +7,7 @@
 
 sweep_name = "sweep_mod_cpu"
 train_config = "config/shakespeare_char_cpu.py"
-train_args = ["--device=cpu", "--eval_interval=250", "--eval_iters=20", "--log_interval=250"]
+train_args = ["--device=cpu", "--dtype=float32", "--eval_interval=250", "--eval_iters=20", "--log_interval=250"]
 budget = 8.19e12  # 1000 iterations of dense 8-layer nag: 1.0667e7 training FLOPs/token x 768 tokens
 depths, residuals = [], []  # the cells are named below
 runs = [  # run seed by seed, each seed in this order

@@ -6,7 +6,7 @@
 
 sweep_name = "sweep_mod_sqrt_d_cpu"
 train_config = "config/shakespeare_char_cpu.py"
-train_args = ["--device=cpu", "--eval_interval=250", "--eval_iters=20", "--log_interval=250", "--nag_head=sqrt_d"]
+train_args = ["--device=cpu", "--dtype=float32", "--eval_interval=250", "--eval_iters=20", "--log_interval=250", "--nag_head=sqrt_d"]
 budget = 8.19e12  # as config/sweep_mod_cpu.py: 1000 iterations of the dense 8-layer nag (default head)
 depths, residuals = [], []
 runs = [

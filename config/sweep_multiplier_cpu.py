@@ -14,7 +14,7 @@
 
 sweep_name = "sweep_multiplier_cpu"
 train_config = "config/shakespeare_char_cpu.py"
-train_args = ["--device=cpu", "--eval_interval=250", "--eval_iters=20", "--log_interval=50"]
+train_args = ["--device=cpu", "--dtype=float32", "--eval_interval=250", "--eval_iters=20", "--log_interval=50"]
 budgets = [6.25e11, 1.25e12, 2.5e12, 5e12]
 depths, residuals = [], []  # no grid: the cells are named below
 runs = [

@@ -11,7 +11,7 @@
 
 sweep_name = "sweep_muon_cpu"
 train_config = "config/shakespeare_char_cpu.py"
-train_args = ["--device=cpu", "--eval_interval=250", "--eval_iters=20", "--log_interval=250"]
+train_args = ["--device=cpu", "--dtype=float32", "--eval_interval=250", "--eval_iters=20", "--log_interval=250"]
 budgets = [1.25e12, 5e12]
 depths, residuals = [], []  # no grid: the cells are named below
 runs = [(f"{name}_L{L}_muon", {**options, "n_layer": L, "optimizer": "muon", "muon_lr": 0.02})

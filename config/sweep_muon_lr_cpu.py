@@ -7,7 +7,7 @@
 
 sweep_name = "sweep_muon_lr_cpu"
 train_config = "config/shakespeare_char_cpu.py"
-train_args = ["--device=cpu", "--eval_interval=250", "--eval_iters=20", "--log_interval=250"]
+train_args = ["--device=cpu", "--dtype=float32", "--eval_interval=250", "--eval_iters=20", "--log_interval=250"]
 budget = 5e12
 depths, residuals = [], []  # no grid: the cells are named below
 runs = [(f"prenorm_muon_lr{lr:g}", {"residual": "prenorm", "n_layer": 4, "optimizer": "muon", "muon_lr": lr})

@@ -6,7 +6,7 @@
 
 sweep_name = "sweep_nag_recipe_cpu"
 train_config = "config/shakespeare_char_cpu.py"
-train_args = ["--device=cpu", "--eval_interval=300", "--eval_iters=20", "--log_interval=100", "--diagnose=True"]
+train_args = ["--device=cpu", "--dtype=float32", "--eval_interval=300", "--eval_iters=20", "--log_interval=100", "--diagnose=True"]
 budget = 9.8e12  # 600 iterations of 16-layer nag (2.13e7 training FLOPs per token x 768 tokens)
 depths, residuals = [], []  # no grid: the cells are named below
 _nag = {"residual": "nag", "n_layer": 16}

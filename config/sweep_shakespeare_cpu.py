@@ -5,7 +5,7 @@
 
 sweep_name = "sweep_shakespeare_cpu"
 train_config = "config/shakespeare_char_cpu.py"  # width 128, 4 heads, 12 x 64 tokens per iteration
-train_args = ["--device=cpu", "--eval_interval=250", "--eval_iters=20", "--log_interval=250"]
+train_args = ["--device=cpu", "--dtype=float32", "--eval_interval=250", "--eval_iters=20", "--log_interval=250"]
 budget = 5e12  # 1250 iterations at 4 layers: the quickstart's 2000 iterations cost 8e12
 depths = [2, 4, 8]
 residuals = ["prenorm", "nag", "block_attnres"]

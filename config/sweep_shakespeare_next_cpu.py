@@ -10,7 +10,7 @@
 
 sweep_name = "sweep_shakespeare_next_cpu"
 train_config = "config/shakespeare_char_cpu.py"
-train_args = ["--device=cpu", "--eval_interval=250", "--eval_iters=20", "--log_interval=250"]
+train_args = ["--device=cpu", "--dtype=float32", "--eval_interval=250", "--eval_iters=20", "--log_interval=250"]
 budget = 5e12
 depths, residuals = [], []  # no grid: the cells are named below
 runs = [(f"{name}_L{L}", {**options, "n_layer": L}) for L in (8,) for name, options in [

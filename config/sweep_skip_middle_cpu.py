@@ -7,7 +7,7 @@
 
 sweep_name = "sweep_skip_middle_cpu"
 train_config = "config/shakespeare_char_cpu.py"
-train_args = ["--device=cpu", "--eval_interval=250", "--eval_iters=20", "--log_interval=250"]
+train_args = ["--device=cpu", "--dtype=float32", "--eval_interval=250", "--eval_iters=20", "--log_interval=250"]
 budget = 7.89e12  # 1000 iterations of dense 8-layer sandwich: 1.0274e7 training FLOPs/token x 768 tokens
 depths, residuals = [], []
 runs = [

@@ -8,7 +8,7 @@
 
 sweep_name = "sweep_skip_middle_realised_cpu"
 train_config = "config/shakespeare_char_cpu.py"
-train_args = ["--device=cpu", "--eval_interval=250", "--eval_iters=20", "--log_interval=250"]
+train_args = ["--device=cpu", "--dtype=float32", "--eval_interval=250", "--eval_iters=20", "--log_interval=250"]
 budget = 9.69e12  # 7.89e12 / 0.814, counted dense: the iterations that spend about 7.89e12 at 81.4% executed
 depths, residuals = [], []
 runs = [

@@ -5,7 +5,7 @@
 
 sweep_name = "sweep_time_cpu"
 train_config = "config/shakespeare_char_cpu.py"
-train_args = ["--device=cpu", "--eval_interval=100000", "--eval_iters=20", "--log_interval=50"]
+train_args = ["--device=cpu", "--dtype=float32", "--eval_interval=100000", "--eval_iters=20", "--log_interval=50"]
 budget = None
 budget_seconds = 120  # seconds of training per run (train.py --max_seconds)
 depths = [4]

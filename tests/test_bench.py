@@ -127,7 +127,7 @@ def test_a_number_below_its_least_is_a_one_line_error_before_anything_runs(key, 
     """`--section=kernels --reps=-3` exited 0 with every row "failed: IndexError", `--section=model --layers=-1`
     gave a traceback: each numeric key below its least value is a one-line error before any device is picked
     or model built."""
-    monkeypatch.setattr(bench, "pick_device", lambda *a: pytest.fail(f"bench ran with a bad --{key}"))
+    monkeypatch.setattr(bench, "pick_device", lambda *a, **k: pytest.fail(f"bench ran with a bad --{key}"))
     monkeypatch.setattr(bench, "bench_gpu", lambda *a: pytest.fail(f"bench ran with a bad --{key}"))
     least = bench.COUNTS.get(key, 0)
     bad = [least - 1, -3] if key in bench.COUNTS else [0.0, -1.5]  # a value of another type: configure's error
@@ -202,14 +202,19 @@ def test_bench_quickstart_times_both_commands(capsys, monkeypatch):
     cpus = {"train.py": [6.0, 1.0, 9.0], "bench.py": [4.0, 3.0, 2.0]}  # medians 6.0, 3.0
     calls, final = [], {"train.py": [], "bench.py": []}
 
-    fine = []
+    fine, timed = [], []
 
-    def run_in_process(cmd, cwd, stop_below=None):
+    def run_in_process(cmd, cwd, stop_below=None, stop_at_iter=None):
         assert cmd[0] == sys.executable and Path(cwd) == Path(bench.REPO)
         if stop_below is not None:  # the time-to-loss run: its first eval at or below the pair's baseline loss
             assert stop_below == final["bench.py"][-1] and f"--eval_interval={bench.TO_LOSS_EVALS}" in cmd
             fine.append(cmd)
-            return 99.0, 99.0, "", [(5.0, 4.3), (7.0 + len(fine), stop_below)]
+            return 99.0, 99.0, "", [(5.0, 4.3, 0), (7.0 + len(fine), stop_below, 25 * len(fine))]
+        if stop_at_iter is not None:  # ours as timed, stopped at the iteration the last one found
+            assert stop_at_iter == 25 * len(fine) and cmd[:-2] == calls[-2 if len(timed) % 2 == 0 else -1][:-1]
+            assert cmd[-2] == f"--log_interval={bench.TO_LOSS_EVALS}" and cmd[-1].startswith("--out_dir=")
+            timed.append(cmd)
+            return [3.0, 1.0, 2.0][len(timed) - 1], 99.0, "", [(1.0, 4.2, 0)]  # median 2.0
         script = cmd[1]
         calls.append(cmd)
         argv = cmd[3:] if cmd[1:3] == ["bench.py", "baseline"] else cmd[2:]
@@ -221,7 +226,7 @@ def test_bench_quickstart_times_both_commands(capsys, monkeypatch):
         assert evals[0][0] == "0" and evals[-1][0] == "3", out.getvalue()
         final[script].append(float(evals[-1][1]))
         k = len(final[script]) - 1
-        return walls[script][k], cpus[script][k], out.getvalue(), [(1.0 + float(s), float(v)) for s, v in evals]
+        return walls[script][k], cpus[script][k], out.getvalue(), [(1.0 + float(s), float(v), int(s)) for s, v in evals]
     monkeypatch.setattr(bench, "run_timed", run_in_process)
     result = bench.bench_quickstart(pairs=3, max_iters=3)
     out = capsys.readouterr().out
@@ -243,7 +248,10 @@ def test_bench_quickstart_times_both_commands(capsys, monkeypatch):
     assert [r[3].strip() for r in rows] == ["6.0", "3.0"] and rows[0][4].strip() == "2.00x"
     assert rows[0][5].strip() == " ".join(f"{x:.4f}" for x in ours_loss)
     assert rows[1][5].strip() == " ".join(f"{x:.4f}" for x in base_loss)
-    assert len(fine) == 3 and "at most 9.0 s, 4.50x the peer's wall" in out  # reached at 8, 9, 10 s: median 9
+    # reached at iterations 25, 50, 75 at 8, 9, 10 s with the evals (median 9), ours stopped there at 3, 1, 2 s
+    assert len(fine) == len(timed) == 3
+    assert ": 2.0 s, 1.00x the peer's wall (our run stopped at the iteration where it first reached it, evaluated " \
+           "every 25: median 50); with those evals at most 9.0 s, 4.50x" in out
 
 
 @pytest.fixture
@@ -264,38 +272,47 @@ def test_bench_quickstart_against_nanogpt_itself(capsys, monkeypatch, nanogpt_di
     times against nanoGPT's median wall."""
     nano = iter([(20.0, 10.0, 2.30), (30.0, 12.0, 2.50), (25.0, 11.0, 2.40)])  # wall, CPU, last val loss
     ours = iter([(18.0, 9.0), (22.0, 13.0), (19.0, 10.0)])
-    to_loss = iter([14.0, 8.0, 7.0])  # median 8
+    to_loss = iter([(14.0, 300), (8.0, 250), (7.0, 225)])  # median 8 s, iteration 250
+    to_iter = iter([9.0, 6.0, 5.5])  # median 6 s
     calls = []
 
-    def fake(cmd, cwd, stop_below=None):
-        calls.append((cmd, cwd, stop_below))
+    def fake(cmd, cwd, stop_below=None, stop_at_iter=None):
+        calls.append((cmd, cwd, stop_below, stop_at_iter))
         if stop_below is not None:
-            return 99.0, 99.0, "", [(3.0, 4.2), (next(to_loss), stop_below - 0.01)]
+            t, it = next(to_loss)
+            return 99.0, 99.0, "", [(3.0, 4.2, 0), (t, stop_below - 0.01, it)]
+        if stop_at_iter is not None:
+            return next(to_iter), 99.0, "", [(3.0, 4.2, 0)]
         if Path(cwd) == Path(bench.REPO):
             wall, cpu = next(ours)
-            return wall, cpu, "", [(3.0, 4.2), (wall - 1, 2.0)]
+            return wall, cpu, "", [(3.0, 4.2, 0), (wall - 1, 2.0, 600)]
         wall, cpu, last = next(nano)
-        return wall, cpu, "", [(2.0, 4.16), (wall - 1, last)]
+        return wall, cpu, "", [(2.0, 4.16, 0), (wall - 1, last, 500)]
     monkeypatch.setattr(bench, "run_timed", fake)
     result = bench.bench_quickstart(pairs=3, max_iters=600, nanogpt=str(nanogpt_dir))
     out = capsys.readouterr().out
-    kinds = ["ours" if Path(c[1]) == Path(bench.REPO) and c[2] is None else "peer" if c[2] is None else "to-loss"
-             for c in calls]
-    assert kinds == ["ours", "peer", "to-loss", "peer", "ours", "to-loss", "ours", "peer", "to-loss"]
-    for (cmd, cwd, stop), kind in zip(calls, kinds):
+    kinds = ["to-loss" if c[2] is not None else "to-iter" if c[3] is not None else
+             "ours" if Path(c[1]) == Path(bench.REPO) else "peer" for c in calls]
+    assert kinds == ["ours", "peer", "to-loss", "to-iter", "peer", "ours", "to-loss", "to-iter",
+                     "ours", "peer", "to-loss", "to-iter"]
+    for (cmd, cwd, _, _), kind in zip(calls, kinds):
         assert cmd[-1].startswith("--out_dir=")
         if kind == "peer":  # nanoGPT's own command, cut as ours is
             assert Path(cwd) == nanogpt_dir and cmd[1:-1] == [*bench.NANOGPT_ARGS, "--max_iters=600", "--lr_decay_iters=600"]
         else:  # ours as the README runs it: its final eval is not switched off, but in the time-to-loss run
             assert cmd[1:4] == ["train.py", bench.QUICKSTART, "--max_iters=600"]
             assert any(a.startswith("--final_eval_tokens") for a in cmd) == (kind == "to-loss")
-    # each time-to-loss run stops at its own pair's nanoGPT loss
+            assert ("--log_interval=25" in cmd) == (kind == "to-iter")  # its progress line at each 25 iterations
+    # each time-to-loss run stops at its own pair's nanoGPT loss, each timed run at the iteration that one found
     assert [c[2] for c in calls if c[2] is not None] == [2.30, 2.50, 2.40]
+    assert [c[3] for c in calls if c[3] is not None] == [300, 250, 225]
     (ours_wall, _), (peer_wall, peer_losses) = result.values()
     assert (ours_wall, peer_wall) == (19.0, 25.0) and peer_losses == [2.30, 2.50, 2.40]
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "command" not in line]
     assert rows[0][2].strip() == "0.76x" and rows[0][4].strip() == "0.91x"  # 19 / 25 wall; 10 / 11 CPU
-    assert "time to the peer's last val loss (2.4000): at most 8.0 s, 0.32x the peer's wall" in out
+    assert "time to the peer's last val loss (2.4000): 6.0 s, 0.24x the peer's wall (our run stopped at the " \
+           "iteration where it first reached it, evaluated every 25: median 250); with those evals at most 8.0 s, " \
+           "0.32x" in out
 
 
 def test_bench_quickstart_names_the_fix_for_a_bad_nanogpt_dir(tmp_path, nanogpt_dir):
@@ -314,12 +331,17 @@ def test_run_timed_stamps_each_eval_line_and_counts_the_childs_cpu():
               "while time.process_time() - t < 0.4: pass\nprint('step 250: train loss 2.0, val loss 2.2500')\n"
               "time.sleep(0.3)\nprint('done')")
     wall, cpu, out, evals = bench.run_timed([sys.executable, "-c", script], bench.REPO)
-    assert [v for _, v in evals] == [4.1, 2.25] and out.endswith("done\n")
+    assert [(v, it) for _, v, it in evals] == [(4.1, 0), (2.25, 250)] and out.endswith("done\n")
     assert evals[1][0] - evals[0][0] >= 0.35 and wall - evals[1][0] >= 0.25  # stamped when printed
     assert 0.35 <= cpu < wall
     # stopped at the first eval at or below 2.5: killed there, no error, nothing after it read
     wall, _, out, evals = bench.run_timed([sys.executable, "-c", script], bench.REPO, stop_below=2.5)
-    assert [v for _, v in evals] == [4.1, 2.25] and "done" not in out and wall < evals[1][0] + 0.25
+    assert [v for _, v, _ in evals] == [4.1, 2.25] and "done" not in out and wall < evals[1][0] + 0.25
+    # stopped at the first progress line of iteration 25 or later: the line of 20 does not stop it
+    script = ("import time\nprint('iter 20/600: loss 3.0')\nprint('iter 25/600: loss 2.9, lr 1e-3')\n"
+              "time.sleep(0.3)\nprint('done')")
+    wall, _, out, _ = bench.run_timed([sys.executable, "-c", script], bench.REPO, stop_at_iter=25)
+    assert out.endswith("iter 25/600: loss 2.9, lr 1e-3\n") and wall < 0.3 + 1.0
     with pytest.raises(RuntimeError, match=r"failed \(exit 3\):\n.*boom"):
         bench.run_timed([sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], bench.REPO)
 

@@ -980,3 +980,15 @@ def test_results_refuses_a_file_that_is_not_a_results_csv(content, tmp_path):
     path.write_bytes(content)
     with pytest.raises(ConfigError, match="is not a sweep's results.csv .* pass out/<sweep>/results.csv"):
         flops.main(["results", str(path)])
+
+
+def test_every_cpu_sweep_runs_in_fp32():
+    """The committed CPU results ran in fp32, and dtype auto now picks bf16 on a CPU that computes it: every CPU
+    sweep config pins --dtype=float32, so that running it again reproduces them (and its kept runs resume as
+    they started)."""
+    paths = sorted((REPO / "config").glob("sweep_*_cpu.py"))
+    assert len(paths) >= 19
+    for path in paths:
+        sw = configure([str(path)], flops.SWEEP_DEFAULTS)
+        assert "--dtype=float32" in sw["train_args"], path.name
+        assert flops.train_config([str(REPO / sw["train_config"]), *sw["train_args"]])["dtype"] == "float32"

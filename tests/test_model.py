@@ -4,7 +4,10 @@ import math
 import pytest
 import torch
 
-from model import GPT, GPTConfig, _rotate_real, apply_rope, rope_table
+import torch.nn.functional as F
+
+import run_config
+from model import GPT, GPTConfig, _rotate_real, apply_rope, attend, rope_table
 
 
 def tiny(**kw):
@@ -236,3 +239,44 @@ def test_sequence_longer_than_block_size_is_refused():
     model = GPT(tiny(block_size=8))
     with pytest.raises(ValueError, match="block_size"):
         model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_attention_on_a_cpu_runs_in_fp32_under_bf16_autocast():
+    """Under bf16 autocast on a CPU, attention runs on the bf16 q, k, v upcast to fp32 (torch's CPU kernel is
+    several times slower in bf16), its output back in bf16: equal, values and gradients, to fp32 attention of the
+    same inputs, and not to bf16 attention. An additive mask (MoD's biases) enters in fp32, not rounded to bf16."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8).to(torch.bfloat16).requires_grad_() for _ in range(3))
+    mask = torch.randn(2, 1, 16, 16) * 8 + torch.triu(torch.full((16, 16), float("-inf")), 1)
+
+    def both(fn):
+        out = fn(q, k, v)
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+        return out, grads
+    for m, causal in ((None, True), (mask, False)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got, got_grads = both(lambda q, k, v: attend(q, k, v, m, 0.0, causal))
+        want, want_grads = both(lambda q, k, v: F.scaled_dot_product_attention(
+            q.float(), k.float(), v.float(), attn_mask=m, is_causal=causal).to(torch.bfloat16))
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads))
+        in_bf16 = F.scaled_dot_product_attention(q, k, v, attn_mask=None if m is None else m.to(torch.bfloat16),
+                                                 is_causal=causal)
+        assert not torch.equal(got, in_bf16)
+        if m is not None:  # the mask rounded to bf16 first gives another result
+            assert not torch.equal(got, F.scaled_dot_product_attention(
+                q.float(), k.float(), v.float(), attn_mask=m.to(torch.bfloat16).float()).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_picks_bf16_on_a_cpu_that_computes_it(native, monkeypatch):
+    """dtype auto on a CPU, for training (cpu_bf16): bf16 autocast where the CPU multiplies bf16 natively, fp32
+    where it would emulate it; sampling, tradeoff.py and bench.py (no cpu_bf16) and an explicit float32: fp32."""
+    monkeypatch.setattr(run_config, "cpu_computes_bf16", lambda: native)
+    device, dtype, autocast = run_config.pick_device("cpu", "auto", cpu_bf16=True)
+    assert device.type == "cpu" and dtype == ("bfloat16" if native else "float32")
+    assert isinstance(autocast, torch.autocast) == native
+    assert run_config.pick_device("cpu", "auto").dtype == "float32"
+    assert run_config.pick_device("cpu", "float32", cpu_bf16=True).dtype == "float32"
+    assert run_config.pick_device("cpu", "float32").dtype == "float32"
+    assert run_config.pick_device("cpu", "bfloat16").dtype == "bfloat16"

@@ -284,7 +284,9 @@ def test_the_state_names_itself_and_a_read_leaves_it_as_it_was(residual, monkeyp
 @pytest.mark.parametrize("residual", CASES)
 def test_bf16_autocast_keeps_the_stream_dtype(residual, monkeypatch):
     """Under autocast the stream keeps the dtype embed() gave it at every write (a write that
-    rounds it to bf16 and back would not show in the final dtype)."""
+    rounds it to bf16 and back would not show in the final dtype), and a training step's backward runs
+    (train.py trains in bf16 autocast on a CPU that computes it): finite gradients for every parameter
+    that has one in fp32, and a loss within bf16's rounding of fp32's."""
     model = make(residual)
     seen, write = [], model.stream.write
 
@@ -293,11 +295,19 @@ def test_bf16_autocast_keeps_the_stream_dtype(residual, monkeypatch):
         seen.append(dtypes(state))
         return state
 
+    _, loss32 = model(tokens(), tokens())
+    loss32.backward()
+    in_fp32 = {n for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
     monkeypatch.setattr(model.stream, "write", recording_write)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         first = dtypes(model.stream.embed(model.wte(tokens())))
-        model(tokens(), tokens())
+        _, loss = model(tokens(), tokens())
     assert len(seen) == 2 * SHAPE["n_layer"] and all(d == first for d in seen), (first, seen)
+    loss.backward()
+    assert abs(loss.item() - loss32.item()) < 0.03 * loss32.item()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(grads) == in_fp32 and all(torch.isfinite(g).all() for g in grads.values()), residual
 
 
 @pytest.mark.parametrize("residual", ["rezero", "dwa_sublayer"])

@@ -158,11 +158,11 @@ def test_a_resume_says_when_the_decay_stays_short(data_dir, tmp_path, in_process
 def test_a_resume_without_a_config_file_takes_the_run_from_the_checkpoint(data_dir, tmp_path, in_process):
     """`train.py --init_from=resume --out_dir=X` alone: the dataset, data_dir, batches, LR schedule and
     evals come from the checkpoint (before, the defaults' openwebtext was missing), and the run goes on
-    exactly as the straight one (--max_iters extends it; --device is this process's own)."""
+    exactly as the straight one (--max_iters extends it; --device and --dtype are this process's own)."""
     straight, out = tmp_path / "straight", tmp_path / "out"
     in_process(tiny_args(data_dir, straight))
     in_process(tiny_args(data_dir, out, max_iters=4))  # lr_decay_iters=8: the straight run's schedule
-    in_process(["--init_from=resume", f"--out_dir={out}", "--max_iters=8", "--device=cpu"])
+    in_process(["--init_from=resume", f"--out_dir={out}", "--max_iters=8", "--device=cpu", "--dtype=float32"])
     assert_same_run(out, straight)
 
 
@@ -324,6 +324,15 @@ def test_float16_on_the_cpu_warns(data_dir, tmp_path, in_process, capsys):
     err = capsys.readouterr().err  # how much slower depends on the CPU (1.2x to 11x measured): no "over 10x"
     assert "WARNING: float16 on the CPU is slower than float32, by a factor that depends on the CPU" in err
     assert "over 10x" not in err
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bfloat16_on_a_cpu_without_it_warns(native, data_dir, tmp_path, in_process, monkeypatch, capsys):
+    monkeypatch.setattr(train, "cpu_computes_bf16", lambda: native)
+    in_process(tiny_args(data_dir, tmp_path / "out", dtype="bfloat16", max_iters=0, final_eval_tokens=0, eval_iters=1))
+    err = capsys.readouterr().err
+    assert ("WARNING: this CPU has no bfloat16 instructions (AVX512-BF16): its bfloat16 matmuls are emulated"
+            in err) == (not native)
 
 
 # -----------------------------------------------------------------------------
