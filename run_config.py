@@ -209,7 +209,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 def cpu_computes_bf16():
     """Whether this CPU multiplies bf16 natively (AVX512-BF16, which CPUs with AMX have too): there a bf16
     matmul runs 2-3x as fast as an fp32 one at the quickstart's shapes; elsewhere it is emulated, and slower."""
-    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+    return torch.cpu._is_avx512_bf16_supported()
 
 
 def pick_device(device="auto", dtype="auto", cpu_bf16=False):
