@@ -97,6 +97,7 @@ import flops  # noqa: E402
 from configurator import ConfigError, configure  # noqa: E402
 from model import GPT, GPTConfig, RESIDUALS, VARIANTS  # noqa: E402
 import run_config  # noqa: E402
+import stats  # noqa: E402
 from run_config import REPO, pick_device  # noqa: E402
 
 DEFAULTS = dict(
@@ -662,6 +663,36 @@ def run_timed(cmd, cwd, stop_below=None, stop_at_iter=None):
 TO_LOSS_EVALS = 25  # the time to the peer's loss: our run with an eval every this many iterations
 
 
+def cores_busy(seconds=1.0, stat="/proc/stat"):
+    """The fraction of the CPUs' time spent busy (not idle, not waiting on I/O) over the next `seconds`, from
+    the kernel's counters (Linux); None where there are none. The load average lags by minutes: a machine
+    whose other work just stopped still shows it."""
+    def counters():
+        with open(stat) as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        return sum(ticks), ticks[3] + ticks[4]  # all, idle + iowait
+    try:
+        (all0, idle0), _, (all1, idle1) = counters(), time.sleep(seconds), counters()
+    except (OSError, ValueError, IndexError):
+        return None
+    return 1 - (idle1 - idle0) / max(all1 - all0, 1)
+
+
+def pair_ratios(ours, peer):
+    """The line that reads interleaved pairs of wall times: each pair's ratio (ours / the peer's, the two run
+    back to back), their geometric mean and its 95% t-interval over the pairs. The pairs' spread holds the drift
+    between them (a machine slower for one pair slows both of its runs, and the ratio less): with one pair there
+    is no interval."""
+    logs = [math.log(a / b) for a, b in zip(ours, peer)]
+    mean, sd = stats.mean_std(logs)
+    line = f"per pair, our wall / the peer's: {' '.join(f'{math.exp(x):.2f}' for x in logs)}; geometric mean " \
+           f"{math.exp(mean):.2f}x"
+    if len(logs) < 2:
+        return line + " (one pair: no interval)"
+    (lo, hi), _ = stats.t_test(mean, sd / len(logs) ** 0.5, len(logs) - 1)
+    return line + f", 95% interval {math.exp(lo):.2f}-{math.exp(hi):.2f}x (t over the {len(logs)} pairs)"
+
+
 def bench_quickstart(pairs, max_iters, config=QUICKSTART, nanogpt=""):
     """Wall time of the whole train.py command (start-up, data checks, training, evals, checkpoints) against a
     peer on the same recipe, both cut to max_iters (LR schedule included), in `pairs` interleaved pairs (who goes
@@ -688,6 +719,7 @@ def bench_quickstart(pairs, max_iters, config=QUICKSTART, nanogpt=""):
     ours, base = list(runs)
     walls, cpus, losses = ({name: [] for name in runs} for _ in range(3))
     reached, bound, at_iter = [], [], []  # per pair: the time to the peer's loss, its upper bound, its iteration
+    busy = cores_busy()
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(pairs):
             for name, (args, cwd) in (list(runs.items()) if i % 2 == 0 else list(runs.items())[::-1]):
@@ -715,12 +747,15 @@ def bench_quickstart(pairs, max_iters, config=QUICKSTART, nanogpt=""):
             timed = [sys.executable, *args, f"--log_interval={TO_LOSS_EVALS}", f"--out_dir={os.path.join(tmp, f'{i}-to-iter')}"]
             reached.append(run_timed(timed, cwd, stop_at_iter=first[1])[0])
     median = {name: statistics.median(w) for name, w in walls.items()}
+    print(f"the cores were {'(unknown: no /proc/stat)' if busy is None else f'{busy:.0%}'} busy in the second "
+          f"before the first run (other processes; idle is near 0%)")
     print("| command | median wall s | vs the peer | median CPU s | vs the peer | last val loss |")
     print("|---|---|---|---|---|---|")
     for name in runs:
         cpu = statistics.median(cpus[name])
         print(f"| {name} | {median[name]:.1f} | {median[name] / median[base]:.2f}x | {cpu:.1f} "
               f"| {cpu / statistics.median(cpus[base]):.2f}x | {' '.join(f'{x:.4f}' for x in losses[name])} |")
+    print(pair_ratios(walls[ours], walls[base]))
     if None in reached:
         print(f"time to the peer's last val loss: not reached by {reached.count(None)} of our {pairs} runs")
     else:

@@ -289,6 +289,7 @@ def test_bench_quickstart_against_nanogpt_itself(capsys, monkeypatch, nanogpt_di
         wall, cpu, last = next(nano)
         return wall, cpu, "", [(2.0, 4.16, 0), (wall - 1, last, 500)]
     monkeypatch.setattr(bench, "run_timed", fake)
+    monkeypatch.setattr(bench, "cores_busy", lambda: 0.12)
     result = bench.bench_quickstart(pairs=3, max_iters=600, nanogpt=str(nanogpt_dir))
     out = capsys.readouterr().out
     kinds = ["to-loss" if c[2] is not None else "to-iter" if c[3] is not None else
@@ -310,9 +311,33 @@ def test_bench_quickstart_against_nanogpt_itself(capsys, monkeypatch, nanogpt_di
     assert (ours_wall, peer_wall) == (19.0, 25.0) and peer_losses == [2.30, 2.50, 2.40]
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "command" not in line]
     assert rows[0][2].strip() == "0.76x" and rows[0][4].strip() == "0.91x"  # 19 / 25 wall; 10 / 11 CPU
+    assert "the cores were 12% busy in the second before the first run" in out
+    assert "per pair, our wall / the peer's: 0.90 0.73 0.76;" in out  # each pair's own ratio: 18/20, 22/30, 19/25
     assert "time to the peer's last val loss (2.4000): 6.0 s, 0.24x the peer's wall (our run stopped at the " \
            "iteration where it first reached it, evaluated every 25: median 250); with those evals at most 8.0 s, " \
            "0.32x" in out
+
+
+def test_cores_busy_reads_the_kernels_counters(tmp_path, monkeypatch):
+    """Busy = 1 - (idle + iowait ticks) / all ticks between two reads of /proc/stat's first line: here 100
+    ticks pass, 30 of them idle and 10 iowait, so 60% busy; no counters: None."""
+    stat = tmp_path / "stat"
+    reads = iter(["cpu  100 0 50 800 20 0 5 0 0 0\n", "cpu  150 0 60 830 30 0 5 0 0 0\n"])
+    monkeypatch.setattr(bench.time, "sleep", lambda s: stat.write_text(next(reads)))
+    stat.write_text(next(reads))
+    assert bench.cores_busy(stat=str(stat)) == pytest.approx(0.6)
+    assert bench.cores_busy(0.0, stat=str(tmp_path / "none")) is None
+
+
+def test_pair_ratios_reads_the_pairs_as_pairs():
+    """Interleaved pairs' wall ratios: their geometric mean and a t-interval over the pairs. Ratios 1.21, 1.00
+    and 1.10: logs 2a, 0, a (a = ln 1.1), mean a, sd a, se a / sqrt(3); t(2) = 4.303: exp(a -+ 2.484 a) =
+    0.87-1.39. The ratio of the medians (1.10 / 1.00 here too) would hide that spread; a normal interval
+    (1.96) would give 0.98-1.24, and an interval over unpaired runs another width."""
+    line = bench.pair_ratios([12.1, 20.0, 11.0], [10.0, 20.0, 10.0])
+    assert line == "per pair, our wall / the peer's: 1.21 1.00 1.10; geometric mean 1.10x, 95% interval " \
+                   "0.87-1.39x (t over the 3 pairs)"
+    assert bench.pair_ratios([3.0], [4.0]).endswith("0.75; geometric mean 0.75x (one pair: no interval)")
 
 
 def test_bench_quickstart_names_the_fix_for_a_bad_nanogpt_dir(tmp_path, nanogpt_dir):

@@ -63,11 +63,21 @@ def printed(command):
     return out.getvalue()
 
 
-def stale(result, commands):
-    """The decimal figures of `result` that none of the commands prints (as printed: same digits, any sign)."""
-    text = "\n".join(printed(c) for c in commands)
+def not_in(result, text):
+    """The decimal figures of `result` that `text` does not hold (as printed: same digits, any sign)."""
     return [m[1] for m in FIGURE.finditer(result)
             if not re.search(rf"(?<![\d.]){re.escape(m[1])}(?![\d])", text)]
+
+
+def stale(result, commands):
+    """The decimal figures of `result` that none of the commands prints."""
+    return not_in(result, "\n".join(printed(c) for c in commands))
+
+
+def measured_rows(readme):
+    """(question, result, output files) of the MEASURED rows that name their committed output (results/*.txt)."""
+    return [(q, r, re.findall(r"results/[\w.-]+\.txt", c)) for q, r, c in results_rows(readme)
+            if q.startswith(MEASURED) and re.search(r"results/[\w.-]+\.txt", c)]
 
 
 def checked_rows(readme):
@@ -102,6 +112,21 @@ def test_a_changed_figure_is_caught():
     assert changed != README
     bad = {q[:30]: stale(r, c) for q, r, c in checked_rows(changed)}
     assert [(q, v) for q, v in bad.items() if v] == [("`mod=router` on prenorm at equ", ["1.8419"])]
+
+
+def test_a_measured_rows_figures_are_in_its_committed_output():
+    """A timing row that names its output (the quickstart against nanoGPT: results/quickstart_nanogpt_cpu*.txt, what
+    bench.py printed) quotes only figures that output holds; a figure changed in a copy of the README is caught."""
+    rows = measured_rows(README)
+    assert [q[:37] for q, _, _ in rows] == ["the quickstart against nanoGPT itself"]
+    for q, r, files in rows:
+        assert len(files) == 2, files  # the run quoted, and the other run of the same day that the row names
+        missing = not_in(r, "\n".join((REPO / f).read_text() for f in files))
+        assert not missing, f"Results row {q[:40]!r} quotes {missing}, which {files} do not hold"
+    changed = README.replace("in 8.9 s, **0.31x**", "in 8.9 s, **0.29x**")
+    assert changed != README
+    (q, r, files), = measured_rows(changed)
+    assert not_in(r, "\n".join((REPO / f).read_text() for f in files)) == ["0.29"]
 
 
 def test_the_depth_tables_figures_are_what_the_multiplier_command_prints():
