@@ -1083,13 +1083,16 @@ def multiplier(argv):
 # AdamW against Muon: does a design's gain over prenorm survive the optimizer?
 
 OPTIMIZER_ARGS = ("--optimizer=", "--muon_")  # the keys that say how a run was optimised, not what it trains
+LR_ARG = "--learning_rate="  # and the learning rate (AdamW's; under Muon, the AdamW side's)
 
 
-def optimizer_key(row):
+def optimizer_key(row, adamw_lr=None):
     """(optimizer, design, depth, budget) of a results row. The optimizer is its optimizer column (see
     optimizer_label; a CSV from before that column: "muon" with the muon_* keys of its args when they set
-    optimizer=muon, else "adamw", the only optimizer there was); the design is what the run trains besides:
-    residual, MoD and every other key of its args; the budget is the sweep's (its budget column to 3
+    optimizer=muon, else "adamw", the only optimizer there was), with the learning rate where the run's args set
+    one: an AdamW run at adamw_lr (None: the recipe's, which a run that sets none ran) is "adamw", one at another
+    LR "adamw --learning_rate=X" (optimizers_table reads "adamw" alone). The design is what the run trains
+    besides: residual, MoD and every other key of its args; the budget is the sweep's (its budget column to 3
     significant digits, or, in a CSV from before that column, the FLOPs the run spent to 2: a budget's last
     iteration is never over it)."""
     args = (row.get("args") or "").split()
@@ -1098,7 +1101,12 @@ def optimizer_key(row):
         defaults = {f"--{k}={run_config.DEFAULTS[k]!r}" for k in run_config.MUON_KEYS}
         muon = [a for a in args if a.startswith("--muon_") and a not in defaults]
         optimizer = " ".join(["muon", *muon]) if "--optimizer='muon'" in args else "adamw"
-    rest = " ".join(a for a in args if not a.startswith(OPTIMIZER_ARGS))
+    lr = next((float(a[len(LR_ARG):]) for a in args if a.startswith(LR_ARG)), None)
+    if optimizer == "adamw" and lr != adamw_lr:
+        optimizer += f" {LR_ARG}{'(the recipe)' if lr is None else f'{lr:g}'}"
+    elif optimizer != "adamw" and lr is not None:
+        optimizer += f" {LR_ARG}{lr:g}"
+    rest = " ".join(a for a in args if not a.startswith((*OPTIMIZER_ARGS, LR_ARG)))
     design = row["residual"] + (f" {rest}" if rest else "") + (f" mod={row['mod']}@{row['mod_rate']:g}" if row.get("mod") else "")
     budget = float(f"{row['budget']:.3g}") if row.get("budget") else float(f"{row['flops']:.2g}")
     return optimizer, design, row["n_layer"], budget
@@ -1135,7 +1143,7 @@ def optimizer_verdict(adamw, muon, p_adamw, p_muon):
             ("n.s.", "gain"): "only under Muon"}.get((a, m), "n.s. under both" if a == m == "n.s." else f"{a} → {m}")
 
 
-def optimizer_losses(rows):
+def optimizer_losses(rows, adamw_lr=None):
     """{optimizer_key: {seed: final val loss}} of the finished rows, {optimizer_key: {train FLOPs per token}}, and
     the number of runs read twice (the same key and seed in two CSVs: counted once). A row without a seed is
     keyed by its run name (paired with nothing)."""
@@ -1143,7 +1151,7 @@ def optimizer_losses(rows):
     for r in rows:
         if r["status"] != "done":
             continue
-        key = optimizer_key(r)
+        key = optimizer_key(r, adamw_lr)
         seed = r["seed"] if r.get("seed") is not None else r["run"]
         if seed in losses.get(key, {}):
             twice += 1
@@ -1154,15 +1162,16 @@ def optimizer_losses(rows):
     return losses, flops_per_token, twice
 
 
-def optimizers_table(rows, baseline="prenorm", adjust="bh"):
+def optimizers_table(rows, baseline="prenorm", adjust="bh", adamw_lr=None):
     """Markdown: per depth and budget, each design's final val loss under AdamW and under Muon, its
     difference to the baseline design under the same optimizer (stats.compare: paired on shared seeds),
     whether the gain survives, the change of the difference between the optimizers (gain_change), and Muon's
     own gain over AdamW for the design. Each kind of test over every table is one family, its p adjusted by
-    `adjust` (stats.ADJUST); the verdicts follow the adjusted p. A design appears where both optimizers ran it."""
-    losses, flops_per_token, twice = optimizer_losses(rows)
+    `adjust` (stats.ADJUST); the verdicts follow the adjusted p. A design appears where both optimizers ran it,
+    AdamW at adamw_lr (None: the recipe's; optimizer_key)."""
+    losses, flops_per_token, twice = optimizer_losses(rows, adamw_lr)
     tables = []  # (depth, budget, Muon's setting, designs)
-    for L, budget, muon in sorted({(L, b, o) for (o, _, L, b) in losses if o != "adamw"}):
+    for L, budget, muon in sorted({(L, b, o) for (o, _, L, b) in losses if o.startswith("muon")}):
         designs = [d for (o, d, l, b) in losses if o == muon and (l, b) == (L, budget)
                    and ("adamw", d, L, budget) in losses]
         if baseline in designs:
@@ -1249,14 +1258,16 @@ def optimizers_table(rows, baseline="prenorm", adjust="bh"):
     return "\n".join(lines) + "\n"
 
 
-def lr_check_table(rows, check_rows, chosen):
+def lr_check_table(rows, check_rows, chosen, adamw_lr=None):
     """Markdown: whether each evaluated cell ran at its best learning rate. check_rows: an LR check's runs (one
     seed each; config/sweep_lr_check_cpu.py), several LRs per design and optimizer at one depth and budget;
     rows: the evaluated cells' runs (optimizers_table's). Per design and optimizer: the loss at each LR, the
     best, the evaluated cells' LR (chosen: {optimizer: LR}) and its gap to the best, and whether that gap is
     within noise: below t(0.975, seeds - 1) x sqrt(2) x the evaluated cell's seed sd, the 95% band of a
-    difference between two single runs (unpaired, so a wide band: a gap outside it is off the best)."""
-    losses, _, _ = optimizer_losses(rows)
+    difference between two single runs (unpaired, so a wide band: a gap outside it is off the best). adamw_lr:
+    the AdamW cells compared ran at it, not at chosen's (optimizers_table's)."""
+    losses, _, _ = optimizer_losses(rows, adamw_lr)
+    chosen = chosen | ({} if adamw_lr is None else {"adamw": adamw_lr})
     check = {}  # (optimizer, design, depth, budget): {lr: loss}
     for r in check_rows:
         if r["status"] != "done":
@@ -1265,8 +1276,7 @@ def lr_check_table(rows, check_rows, chosen):
         opt = "muon" if "--optimizer='muon'" in args else "adamw"
         flag = "--muon_lr=" if opt == "muon" else "--learning_rate="
         lr = next((float(a[len(flag):]) for a in args if a.startswith(flag)), chosen[opt])
-        design, L, budget = optimizer_key({**r, "args": " ".join(a for a in args if not a.startswith(
-            "--learning_rate="))})[1:]
+        design, L, budget = optimizer_key(r)[1:]  # the LR is the optimizer's, not the design's
         check.setdefault((opt, design, L, budget), {})[lr] = r["val_loss"]
     if not check:
         raise ConfigError("--lr_check: no finished run in it (python flops.py sweep config/sweep_lr_check_cpu.py "
@@ -1308,6 +1318,8 @@ OPTIMIZERS_DEFAULTS = dict(
     lr_check="",  # an LR check's results.csv (config/sweep_lr_check_cpu.py): adds whether each cell ran at its best LR
     chosen_lr="adamw=0.001,muon=0.02",  # the LRs the evaluated cells ran (config/shakespeare_char_cpu.py's
     #                                     learning_rate; config/sweep_muon_cpu.py's muon_lr)
+    adamw_lr=0.0,  # > 0: compare with the AdamW runs whose cells set this learning rate (e.g. the LR check's best,
+    #                config/sweep_muon_adamw_best_lr_cpu.py), not the recipe's; 0: the recipe's
 )
 
 
@@ -1319,7 +1331,10 @@ def optimizers(argv):
                                 "files of both optimizers' sweeps", "results.csv files",
                                 "results/sweep_muon_cpu_5e12.csv results/sweep_multiplier_cpu.csv")
     check_adjust(cfg["adjust"])
-    text = optimizers_table(rows, cfg["baseline"], cfg["adjust"])
+    if not isinstance(cfg["adamw_lr"], (int, float)) or cfg["adamw_lr"] < 0:
+        raise ConfigError(f"--adamw_lr={cfg['adamw_lr']!r}: give a learning rate (e.g. 0.002), or 0 for the recipe's")
+    adamw_lr = float(cfg["adamw_lr"]) or None
+    text = optimizers_table(rows, cfg["baseline"], cfg["adjust"], adamw_lr)
     if cfg["lr_check"]:
         try:
             chosen = {o: float(v) for o, v in (item.split("=") for item in cfg["chosen_lr"].split(","))}
@@ -1327,7 +1342,7 @@ def optimizers(argv):
             raise ConfigError(f"--chosen_lr={cfg['chosen_lr']}: give optimizer=LR pairs, e.g. adamw=0.001,muon=0.02")
         if set(chosen) != {"adamw", "muon"}:
             raise ConfigError(f"--chosen_lr={cfg['chosen_lr']}: give both optimizers' LRs, e.g. adamw=0.001,muon=0.02")
-        text += lr_check_table(rows, read_results(cfg["lr_check"]), chosen)
+        text += lr_check_table(rows, read_results(cfg["lr_check"]), chosen, adamw_lr)
     print(text, end="")
     return text
 

@@ -604,3 +604,47 @@ def test_lr_check_and_chosen_lr_reach_the_table_from_the_command_line(tmp_path):
     assert "| 0.002 | 0.001 | +0.1000 |" in adamw_line(flops.optimizers([base, f"--lr_check={check}"]))
     with pytest.raises(flops.ConfigError, match="optimizer=LR pairs"):
         flops.optimizers([base, f"--lr_check={check}", "--chosen_lr=adamw:0.002"])
+
+
+def test_adamw_lr_compares_with_the_adamw_runs_at_that_lr(tmp_path):
+    """--adamw_lr=0.002: the AdamW side of every table is the runs whose cells set --learning_rate=0.002, not the
+    recipe's runs (which set none), and the LR check's chosen AdamW LR is 0.002. Here the recipe's AdamW prenorm is
+    2.00 and value_residual 1.90 (a gain of 0.1), at 2e-3 both 1.80 (no gain): the AdamW column and Δ follow the
+    option. Without it the 2e-3 runs are a setting of their own that no table reads (not a Muon setting, not the
+    designs' "--learning_rate" variants); a negative LR is a one-line error."""
+    import csv
+    import flops
+    rows = result_rows("adamw", "", [2.00, 2.01, 1.99], n_layer=8) + result_rows("muon", "", [1.70, 1.71, 1.69], n_layer=8)
+    rows += result_rows("adamw", "--value_residual='half'", [1.90, 1.91, 1.89], n_layer=8)
+    rows += result_rows("muon", "--value_residual='half'", [1.60, 1.61, 1.59], n_layer=8)
+    at_2e3 = result_rows("adamw", "--learning_rate=0.002", [1.80, 1.81, 1.79], n_layer=8)
+    at_2e3 += result_rows("adamw", "--value_residual='half' --learning_rate=0.002", [1.80, 1.82, 1.78], n_layer=8)
+    assert flops.optimizer_key(at_2e3[0])[:2] == ("adamw --learning_rate=0.002", "prenorm")
+    assert flops.optimizer_key(at_2e3[0], adamw_lr=0.002)[:2] == ("adamw", "prenorm")
+    assert flops.optimizer_key(rows[0], adamw_lr=0.002)[0] == "adamw --learning_rate=(the recipe)"
+    assert flops.optimizers_table(rows + at_2e3).count("**8 layers") == 1  # the 2e-3 runs: no Muon setting
+    recipe = table_lines(flops.optimizers_table(rows + at_2e3), layers=8)
+    best = flops.optimizers_table(rows + at_2e3, adamw_lr=0.002)
+    assert best.count("**8 layers") == 1 and "learning_rate" not in best  # one table, no LR variant as a design
+    assert recipe["prenorm"].startswith("| prenorm | 2.0000 ± 0.0100 (3) |")
+    assert recipe["prenorm --value_residual='half'"].split(" | ")[2].startswith("-0.1000 (paired t (3)")
+    line = table_lines(best, layers=8)
+    assert line["prenorm"].startswith("| prenorm | 1.8000 ± 0.0100 (3) |")
+    assert line["prenorm --value_residual='half'"].split(" | ")[2].startswith("+0.0000 (paired t (3)")
+
+    def write(path, rows):
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, flops.FIELDS)
+            w.writeheader()
+            for i, r in enumerate(rows):
+                w.writerow({k: "" for k in flops.FIELDS} | {k: ("" if v is None else v) for k, v in r.items()}
+                           | {"run": f"{r['run']}_{i}", "cell": f"c{i // 3}"})
+        return str(path)
+    both = write(tmp_path / "eval.csv", rows + at_2e3)
+    check = write(tmp_path / "check.csv", lr_rows("", {0.001: 2.0, 0.002: 1.8, 0.004: 1.85}, "adamw"))
+    text = flops.optimizers([both, "--adamw_lr=0.002", f"--lr_check={check}"])
+    assert table_lines(text.split("The learning rate:")[0], layers=8)["prenorm"].startswith("| prenorm | 1.8000 ± ")
+    assert next(r for r in text.splitlines() if r.startswith("| prenorm | adamw |")).split(" | ")[4:7] == \
+        ["0.002", "0.002", "+0.0000"]  # best LR 2e-3, bracketed by 1e-3 and 4e-3: not at the edge
+    with pytest.raises(flops.ConfigError, match="adamw_lr.*give a learning rate"):
+        flops.optimizers([both, "--adamw_lr=-1"])
