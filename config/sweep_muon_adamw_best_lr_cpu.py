@@ -11,13 +11,9 @@ train_config = "config/shakespeare_char_cpu.py"
 train_args = ["--device=cpu", "--dtype=float32", "--eval_interval=250", "--eval_iters=20", "--log_interval=250"]
 budget = 5e12
 depths, residuals = [], []  # no grid: the cells are named below
-runs = [(f"{name}_L8_adamw_lr0.002", {**options, "n_layer": 8, "learning_rate": 2e-3}) for name, options in [
-    ("prenorm", {"residual": "prenorm"}),
-    ("nag", {"residual": "nag"}),
-    ("block_attnres", {"residual": "block_attnres"}),
-    ("value_residual", {"residual": "prenorm", "value_residual": "half"}),
-    ("mudd", {"residual": "mudd"}),
-    ("mhc", {"residual": "mhc"}),
-]]
+_models = dict(prenorm={"residual": "prenorm"}, nag={"residual": "nag"}, block_attnres={"residual": "block_attnres"},
+               value_residual={"residual": "prenorm", "value_residual": "half"}, mudd={"residual": "mudd"},
+               mhc={"residual": "mhc"})  # (private: a leading _) sweep_muon_adamw_cpu.py's six
+runs = [(f"{name}_L8_adamw_lr0.002", {**keys, "n_layer": 8, "learning_rate": 2e-3}) for name, keys in _models.items()]
 seeds = [1, 2, 3]
 jobs = 2
