@@ -1086,12 +1086,12 @@ OPTIMIZER_ARGS = ("--optimizer=", "--muon_")  # the keys that say how a run was 
 LR_ARG = "--learning_rate="  # and the learning rate (AdamW's; under Muon, the AdamW side's)
 
 
-def optimizer_key(row, adamw_lr=None):
+def optimizer_key(row, adamw_lr=None, recipe_lr=None):
     """(optimizer, design, depth, budget) of a results row. The optimizer is its optimizer column (see
     optimizer_label; a CSV from before that column: "muon" with the muon_* keys of its args when they set
     optimizer=muon, else "adamw", the only optimizer there was), with the learning rate where the run's args set
-    one: an AdamW run at adamw_lr (None: the recipe's, which a run that sets none ran) is "adamw", one at another
-    LR "adamw --learning_rate=X" (optimizers_table reads "adamw" alone). The design is what the run trains
+    one: an AdamW run at adamw_lr is "adamw", one at another LR "adamw --learning_rate=X" (optimizers_table reads
+    "adamw" alone); a run whose args set none ran at recipe_lr (its train config's). The design is what the run trains
     besides: residual, MoD and every other key of its args; the budget is the sweep's (its budget column to 3
     significant digits, or, in a CSV from before that column, the FLOPs the run spent to 2: a budget's last
     iteration is never over it)."""
@@ -1102,7 +1102,7 @@ def optimizer_key(row, adamw_lr=None):
         muon = [a for a in args if a.startswith("--muon_") and a not in defaults]
         optimizer = " ".join(["muon", *muon]) if "--optimizer='muon'" in args else "adamw"
     lr = next((float(a[len(LR_ARG):]) for a in args if a.startswith(LR_ARG)), None)
-    if optimizer == "adamw" and lr != adamw_lr:
+    if optimizer == "adamw" and (recipe_lr if lr is None else lr) != adamw_lr:
         optimizer += f" {LR_ARG}{'(the recipe)' if lr is None else f'{lr:g}'}"
     elif optimizer != "adamw" and lr is not None:
         optimizer += f" {LR_ARG}{lr:g}"
@@ -1143,7 +1143,7 @@ def optimizer_verdict(adamw, muon, p_adamw, p_muon):
             ("n.s.", "gain"): "only under Muon"}.get((a, m), "n.s. under both" if a == m == "n.s." else f"{a} → {m}")
 
 
-def optimizer_losses(rows, adamw_lr=None):
+def optimizer_losses(rows, adamw_lr=None, recipe_lr=None):
     """{optimizer_key: {seed: final val loss}} of the finished rows, {optimizer_key: {train FLOPs per token}}, and
     the number of runs read twice (the same key and seed in two CSVs: counted once). A row without a seed is
     keyed by its run name (paired with nothing)."""
@@ -1151,7 +1151,7 @@ def optimizer_losses(rows, adamw_lr=None):
     for r in rows:
         if r["status"] != "done":
             continue
-        key = optimizer_key(r, adamw_lr)
+        key = optimizer_key(r, adamw_lr, recipe_lr)
         seed = r["seed"] if r.get("seed") is not None else r["run"]
         if seed in losses.get(key, {}):
             twice += 1
@@ -1162,14 +1162,15 @@ def optimizer_losses(rows, adamw_lr=None):
     return losses, flops_per_token, twice
 
 
-def optimizers_table(rows, baseline="prenorm", adjust="bh", adamw_lr=None):
+def optimizers_table(rows, baseline="prenorm", adjust="bh", adamw_lr=None, recipe_lr=None):
     """Markdown: per depth and budget, each design's final val loss under AdamW and under Muon, its
     difference to the baseline design under the same optimizer (stats.compare: paired on shared seeds),
     whether the gain survives, the change of the difference between the optimizers (gain_change), and Muon's
     own gain over AdamW for the design. Each kind of test over every table is one family, its p adjusted by
     `adjust` (stats.ADJUST); the verdicts follow the adjusted p. A design appears where both optimizers ran it,
-    AdamW at adamw_lr (None: the recipe's; optimizer_key)."""
-    losses, flops_per_token, twice = optimizer_losses(rows, adamw_lr)
+    AdamW at adamw_lr (optimizer_key; both None: the runs that set no LR), named in each table's heading where it
+    is not the recipe's."""
+    losses, flops_per_token, twice = optimizer_losses(rows, adamw_lr, recipe_lr)
     tables = []  # (depth, budget, Muon's setting, designs)
     for L, budget, muon in sorted({(L, b, o) for (o, _, L, b) in losses if o.startswith("muon")}):
         designs = [d for (o, d, l, b) in losses if o == muon and (l, b) == (L, budget)
@@ -1221,7 +1222,8 @@ def optimizers_table(rows, baseline="prenorm", adjust="bh", adamw_lr=None):
              f"(< 0.05)." + (f" {twice} run(s) read twice counted once." if twice else "")]
     for i, (L, budget, muon, designs) in enumerate(tables):
         get = lambda o, d: losses[(o if o == "adamw" else muon, d, L, budget)]  # noqa: E731
-        lines += ["", f"**{L} layers, {budget:.3g} FLOPs**" + (f" (Muon: {muon[5:]})" if muon != "muon" else ""), "",
+        lines += ["", f"**{L} layers, {budget:.3g} FLOPs**" + (f" (Muon: {muon[5:]})" if muon != "muon" else "")
+                  + (f" (AdamW at LR {adamw_lr:g})" if adamw_lr != recipe_lr else ""), "",
                   f"| design | AdamW | Δ vs {baseline} (AdamW) | Muon | Δ vs {baseline} (Muon) | the gain | "
                   f"Δ change | Muon − AdamW |", "|" + "---|" * 8]
         notes = []
@@ -1265,22 +1267,22 @@ def lr_check_table(rows, check_rows, chosen, adamw_lr=None):
     best, the evaluated cells' LR (chosen: {optimizer: LR}) and its gap to the best, and whether that gap is
     within noise: below t(0.975, seeds - 1) x sqrt(2) x the evaluated cell's seed sd, the 95% band of a
     difference between two single runs (unpaired, so a wide band: a gap outside it is off the best). adamw_lr:
-    the AdamW cells compared ran at it, not at chosen's (optimizers_table's)."""
-    losses, _, _ = optimizer_losses(rows, adamw_lr)
-    chosen = chosen | ({} if adamw_lr is None else {"adamw": adamw_lr})
+    the AdamW cells compared ran at it (optimizers_table's), not at chosen's, the recipe's."""
+    losses, _, _ = optimizer_losses(rows, adamw_lr or chosen["adamw"], chosen["adamw"])
     check = {}  # (optimizer, design, depth, budget): {lr: loss}
     for r in check_rows:
         if r["status"] != "done":
             continue
         args = (r.get("args") or "").split()
         opt = "muon" if "--optimizer='muon'" in args else "adamw"
-        flag = "--muon_lr=" if opt == "muon" else "--learning_rate="
+        flag = "--muon_lr=" if opt == "muon" else LR_ARG
         lr = next((float(a[len(flag):]) for a in args if a.startswith(flag)), chosen[opt])
         design, L, budget = optimizer_key(r)[1:]  # the LR is the optimizer's, not the design's
         check.setdefault((opt, design, L, budget), {})[lr] = r["val_loss"]
     if not check:
         raise ConfigError("--lr_check: no finished run in it (python flops.py sweep config/sweep_lr_check_cpu.py "
                           "writes one)")
+    chosen = chosen | ({"adamw": adamw_lr} if adamw_lr else {})  # what the compared cells ran
     lines = ["", f"The learning rate: each design's final val loss at each LR of the check (one run each, seed "
              f"unshared with the cells), the best LR ('edge': the lowest or highest tried), the LR the evaluated "
              f"cells ran ({', '.join(f'{o} {v:g}' for o, v in chosen.items())}) and its gap to the best; within "
@@ -1318,8 +1320,8 @@ OPTIMIZERS_DEFAULTS = dict(
     lr_check="",  # an LR check's results.csv (config/sweep_lr_check_cpu.py): adds whether each cell ran at its best LR
     chosen_lr="adamw=0.001,muon=0.02",  # the LRs the evaluated cells ran (config/shakespeare_char_cpu.py's
     #                                     learning_rate; config/sweep_muon_cpu.py's muon_lr)
-    adamw_lr=0.0,  # > 0: compare with the AdamW runs whose cells set this learning rate (e.g. the LR check's best,
-    #                config/sweep_muon_adamw_best_lr_cpu.py), not the recipe's; 0: the recipe's
+    adamw_lr=0.0,  # > 0: compare with the AdamW runs at this learning rate (e.g. the LR check's best, which
+    #                config/sweep_muon_adamw_best_lr_cpu.py's cells set); 0: chosen_lr's adamw, the recipe's
 )
 
 
@@ -1333,15 +1335,15 @@ def optimizers(argv):
     check_adjust(cfg["adjust"])
     if not isinstance(cfg["adamw_lr"], (int, float)) or cfg["adamw_lr"] < 0:
         raise ConfigError(f"--adamw_lr={cfg['adamw_lr']!r}: give a learning rate (e.g. 0.002), or 0 for the recipe's")
-    adamw_lr = float(cfg["adamw_lr"]) or None
-    text = optimizers_table(rows, cfg["baseline"], cfg["adjust"], adamw_lr)
+    try:
+        chosen = {o: float(v) for o, v in (item.split("=") for item in cfg["chosen_lr"].split(","))}
+    except ValueError:
+        raise ConfigError(f"--chosen_lr={cfg['chosen_lr']}: give optimizer=LR pairs, e.g. adamw=0.001,muon=0.02")
+    if set(chosen) != {"adamw", "muon"}:
+        raise ConfigError(f"--chosen_lr={cfg['chosen_lr']}: give both optimizers' LRs, e.g. adamw=0.001,muon=0.02")
+    adamw_lr = float(cfg["adamw_lr"]) or chosen["adamw"]
+    text = optimizers_table(rows, cfg["baseline"], cfg["adjust"], adamw_lr, chosen["adamw"])
     if cfg["lr_check"]:
-        try:
-            chosen = {o: float(v) for o, v in (item.split("=") for item in cfg["chosen_lr"].split(","))}
-        except ValueError:
-            raise ConfigError(f"--chosen_lr={cfg['chosen_lr']}: give optimizer=LR pairs, e.g. adamw=0.001,muon=0.02")
-        if set(chosen) != {"adamw", "muon"}:
-            raise ConfigError(f"--chosen_lr={cfg['chosen_lr']}: give both optimizers' LRs, e.g. adamw=0.001,muon=0.02")
         text += lr_check_table(rows, read_results(cfg["lr_check"]), chosen, adamw_lr)
     print(text, end="")
     return text

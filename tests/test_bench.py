@@ -333,7 +333,7 @@ def test_pair_ratios_reads_the_pairs_as_pairs():
     """Interleaved pairs' wall ratios: their geometric mean and a t-interval over the pairs. Ratios 1.21, 1.00
     and 1.10: logs 2a, 0, a (a = ln 1.1), mean a, sd a, se a / sqrt(3); t(2) = 4.303: exp(a -+ 2.484 a) =
     0.87-1.39. The ratio of the medians (1.10 / 1.00 here too) would hide that spread; a normal interval
-    (1.96) would give 0.98-1.24, and an interval over unpaired runs another width."""
+    (1.96) would give 0.99-1.23, and an interval over unpaired runs another width."""
     line = bench.pair_ratios([12.1, 20.0, 11.0], [10.0, 20.0, 10.0])
     assert line == "per pair, our wall / the peer's: 1.21 1.00 1.10; geometric mean 1.10x, 95% interval " \
                    "0.87-1.39x (t over the 3 pairs)"

@@ -577,20 +577,24 @@ def test_the_lr_check_says_whether_each_evaluated_cell_ran_at_its_best_lr():
         flops.lr_check_table(rows, [], {"adamw": 0.001, "muon": 0.02})
 
 
+def write_results(path, rows):
+    """rows as a results.csv (flops.FIELDS' columns, None as empty), for the commands that read files."""
+    import csv
+    import flops
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, flops.FIELDS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: "" for k in flops.FIELDS} | {k: ("" if v is None else v) for k, v in r.items()})
+    return str(path)
+
+
 def test_lr_check_and_chosen_lr_reach_the_table_from_the_command_line(tmp_path):
     """flops.py optimizers --lr_check=CSV --chosen_lr=adamw=0.002,muon=0.02: the table reads the check's CSV and
     takes the chosen AdamW LR from the option (0.002, the best here: 'the best'; with the default 0.001 it is
     0.1 off); a malformed --chosen_lr is a one-line error naming the form."""
-    import csv
     import flops
-
-    def write(path, rows):
-        with open(path, "w", newline="") as f:
-            w = csv.DictWriter(f, flops.FIELDS)
-            w.writeheader()
-            for r in rows:
-                w.writerow({k: "" for k in flops.FIELDS} | {k: ("" if v is None else v) for k, v in r.items()})
-        return str(path)
+    write = write_results
     evaluated = result_rows("adamw", "", [2.00, 2.01, 1.99], n_layer=8) + result_rows("muon", "", [1.80, 1.81, 1.79],
                                                                                      n_layer=8)
     for i, r in enumerate(evaluated):
@@ -611,8 +615,8 @@ def test_adamw_lr_compares_with_the_adamw_runs_at_that_lr(tmp_path):
     recipe's runs (which set none), and the LR check's chosen AdamW LR is 0.002. Here the recipe's AdamW prenorm is
     2.00 and value_residual 1.90 (a gain of 0.1), at 2e-3 both 1.80 (no gain): the AdamW column and Δ follow the
     option. Without it the 2e-3 runs are a setting of their own that no table reads (not a Muon setting, not the
-    designs' "--learning_rate" variants); a negative LR is a one-line error."""
-    import csv
+    designs' "--learning_rate" variants), and --adamw_lr=0.001, the recipe's, reads the runs that set no LR: the
+    same text as no option. A negative LR is a one-line error."""
     import flops
     rows = result_rows("adamw", "", [2.00, 2.01, 1.99], n_layer=8) + result_rows("muon", "", [1.70, 1.71, 1.69], n_layer=8)
     rows += result_rows("adamw", "--value_residual='half'", [1.90, 1.91, 1.89], n_layer=8)
@@ -631,18 +635,13 @@ def test_adamw_lr_compares_with_the_adamw_runs_at_that_lr(tmp_path):
     line = table_lines(best, layers=8)
     assert line["prenorm"].startswith("| prenorm | 1.8000 ± 0.0100 (3) |")
     assert line["prenorm --value_residual='half'"].split(" | ")[2].startswith("+0.0000 (paired t (3)")
-
-    def write(path, rows):
-        with open(path, "w", newline="") as f:
-            w = csv.DictWriter(f, flops.FIELDS)
-            w.writeheader()
-            for i, r in enumerate(rows):
-                w.writerow({k: "" for k in flops.FIELDS} | {k: ("" if v is None else v) for k, v in r.items()}
-                           | {"run": f"{r['run']}_{i}", "cell": f"c{i // 3}"})
-        return str(path)
-    both = write(tmp_path / "eval.csv", rows + at_2e3)
-    check = write(tmp_path / "check.csv", lr_rows("", {0.001: 2.0, 0.002: 1.8, 0.004: 1.85}, "adamw"))
+    both = write_results(tmp_path / "eval.csv", [r | {"run": f"{r['run']}_{i}", "cell": f"c{i // 3}"}
+                                                 for i, r in enumerate(rows + at_2e3)])
+    check = write_results(tmp_path / "check.csv", lr_rows("", {0.001: 2.0, 0.002: 1.8, 0.004: 1.85}, "adamw"))
     text = flops.optimizers([both, "--adamw_lr=0.002", f"--lr_check={check}"])
+    assert "**8 layers, 5e+12 FLOPs** (AdamW at LR 0.002)" in text  # the table says which AdamW it reads
+    assert flops.optimizers([both, "--adamw_lr=0.001"]) == flops.optimizers([both])  # the recipe's LR, named or not
+    assert "AdamW at LR" not in flops.optimizers([both])
     assert table_lines(text.split("The learning rate:")[0], layers=8)["prenorm"].startswith("| prenorm | 1.8000 ± ")
     assert next(r for r in text.splitlines() if r.startswith("| prenorm | adamw |")).split(" | ")[4:7] == \
         ["0.002", "0.002", "+0.0000"]  # best LR 2e-3, bracketed by 1e-3 and 4e-3: not at the edge
