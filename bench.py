@@ -77,6 +77,7 @@ import functools
 import json
 import math
 import os
+import platform
 import re
 import statistics
 import subprocess
@@ -661,6 +662,17 @@ def run_timed(cmd, cwd, stop_below=None, stop_at_iter=None):
 
 
 TO_LOSS_EVALS = 25  # the time to the peer's loss: our run with an eval every this many iterations
+
+
+def cpu_name(cpuinfo="/proc/cpuinfo"):
+    """The CPU's model name, as the kernel reports it (Linux), else what the platform module says: a timing's
+    device is its CPU, and two machines of the same size can time a ratio differently."""
+    try:
+        with open(cpuinfo) as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names and names[0] else (platform.processor() or "unknown")
 
 
 def cores_busy(seconds=1.0, stat="/proc/stat"):
@@ -1401,7 +1413,7 @@ def main(argv=None):
     run_config.keep_freed_memory(device)  # a CPU's steps timed with the allocator train.py runs them with
     reps = cfg["reps"] or (50 if device.type == "cuda" else 20)
     print(f"torch {torch.__version__}, triton {getattr(kernels.triton, '__version__', 'not installed')}, "
-          f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else f'CPU, {torch.get_num_threads()} threads'}")
+          f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else f'CPU ({cpu_name()}), {torch.get_num_threads()} threads'}")
     if cfg["section"] in ("all", "kernels"):
         bench_kernels(device, dtype, cfg["compile"], reps)
     use_compile = cfg["compile"] and device.type == "cuda"

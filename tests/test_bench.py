@@ -329,6 +329,19 @@ def test_cores_busy_reads_the_kernels_counters(tmp_path, monkeypatch):
     assert bench.cores_busy(0.0, stat=str(tmp_path / "none")) is None
 
 
+def test_cpu_name_reads_the_model_name(tmp_path, monkeypatch):
+    """The CPU a timing ran on: /proc/cpuinfo's first "model name" (the header bench prints names it); a file
+    without one, or none at all, falls back to the platform module's name."""
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9R14\n\n"
+                    "processor\t: 1\nmodel name\t: AMD EPYC 9R14\n")
+    assert bench.cpu_name(str(info)) == "AMD EPYC 9R14"
+    monkeypatch.setattr(bench.platform, "processor", lambda: "x86_64")
+    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\n")
+    assert bench.cpu_name(str(info)) == "x86_64"
+    assert bench.cpu_name(str(tmp_path / "none")) == "x86_64"
+
+
 def test_pair_ratios_reads_the_pairs_as_pairs():
     """Interleaved pairs' wall ratios: their geometric mean and a t-interval over the pairs. Ratios 1.21, 1.00
     and 1.10: logs 2a, 0, a (a = ln 1.1), mean a, sd a, se a / sqrt(3); t(2) = 4.303: exp(a -+ 2.484 a) =

@@ -116,17 +116,28 @@ def test_a_changed_figure_is_caught():
 
 def test_a_measured_rows_figures_are_in_its_committed_output():
     """A timing row that names its output (the quickstart against nanoGPT: results/quickstart_nanogpt_cpu*.txt, what
-    bench.py printed) quotes only figures that output holds; a figure changed in a copy of the README is caught."""
+    bench.py printed) quotes only figures that output holds, each machine's from its own: the figures before
+    "On the earlier sessions' machine" from the first file the row names, those after it from the second. A figure
+    changed in a copy of the README is caught, and so is the earlier machine's ratio quoted as this one's."""
+    def misquoted(result, files):
+        this, earlier = result.split(EARLIER)
+        return not_in(this, (REPO / files[0]).read_text()) + not_in(earlier, (REPO / files[1]).read_text())
+
     rows = measured_rows(README)
     assert [q[:37] for q, _, _ in rows] == ["the quickstart against nanoGPT itself"]
     for q, r, files in rows:
-        assert len(files) == 2, files  # the run quoted, and the other run of the same day that the row names
-        missing = not_in(r, "\n".join((REPO / f).read_text() for f in files))
+        assert len(files) == 2 and r.count(EARLIER) == 1, files  # this machine's run, and the earlier machine's
+        missing = misquoted(r, files)
         assert not missing, f"Results row {q[:40]!r} quotes {missing}, which {files} do not hold"
-    changed = README.replace("in 8.9 s, **0.31x**", "in 8.9 s, **0.29x**")
-    assert changed != README
-    (q, r, files), = measured_rows(changed)
-    assert not_in(r, "\n".join((REPO / f).read_text() for f in files)) == ["0.29"]
+    for old, new, caught in (("in 6.0 s, **0.26x**", "in 6.0 s, **0.29x**", ["0.29"]),
+                             ("**0.68x** nanoGPT's", "**0.90x** nanoGPT's", ["0.90"])):
+        changed = README.replace(old, new)
+        assert changed != README
+        (q, r, files), = measured_rows(changed)
+        assert misquoted(r, files) == caught
+
+
+EARLIER = "On the earlier sessions' machine"
 
 
 def test_the_depth_tables_figures_are_what_the_multiplier_command_prints():
