@@ -192,13 +192,17 @@ class SourceStack(tuple):
     A slot, once written, is never written again, so a mix may save its view for its backward (an append
     leaves the buffer's version counter as it was); appending to a stack that was already extended (a
     branch: a test that writes one state twice) copies the buffer first, and a full buffer is copied into
-    one twice its size. The buffer is not autograd's: it holds the sources' values, and the gradients go
-    to the tensors. No buffer on a GPU (the kernels read the tuple) or under torch.compile (inductor fuses
-    the reference's transient stack)."""
+    one twice its size. The buffer is not autograd's: it holds the sources' values. The gradients have
+    a buffer of the same shape too (`grads`, a SourceGrads): a mix's backward adds its sources' gradients
+    into it, all S in a few batched ops, and each source's tensor in the tuple is the source behind a
+    one-slot node (_ReadsSlot) that hands autograd its slot's sum once, after every mix that read it: one
+    gradient per source instead of one per (mix, source) pair for autograd to sum. No buffers on a GPU (the
+    kernels read the tuple) or under torch.compile (inductor fuses the reference's transient stack)."""
 
-    def __new__(cls, tensors, buffer=None, filled=None):
+    def __new__(cls, tensors, buffer=None, filled=None, grads=None):
         stack = super().__new__(cls, tensors)
         stack.buffer, stack.filled = buffer, filled  # filled: [the buffer's slots written], shared by its stacks
+        stack.grads = grads  # the SourceGrads of this buffer, shared by its stacks
         return stack
 
     @classmethod
@@ -207,26 +211,84 @@ class SourceStack(tuple):
         if use_triton(impl, first) or torch.compiler.is_compiling():
             return cls((first,))
         buffer = torch.empty((capacity, *first.shape), dtype=acc_dtype(first), device=first.device)
-        return cls((), buffer, [0]).append(first)
+        return cls((), buffer, [0], SourceGrads(buffer)).append(first)
 
     def append(self, v):
         """A new stack: these sources, then v (self is left as it was)."""
         if self.buffer is None:
             return SourceStack((*self, v))
-        S, buffer, filled = len(self), self.buffer, self.filled
-        if filled[0] != S or S == len(buffer):  # a branch, or full: a buffer of its own
+        S, buffer, filled, grads, tensors = len(self), self.buffer, self.filled, self.grads, tuple(self)
+        if filled[0] != S or S == len(buffer):  # a branch, or full: buffers of its own
             capacity = max(len(buffer), 2 * S, S + 1)
             buffer = torch.cat((buffer[:S], buffer.new_empty(capacity - S, *buffer.shape[1:])))
-            filled = [S]
+            filled, grads = [S], SourceGrads(buffer)
+            # the new buffer's mixes add into the new gradient slots: each source behind a node that reads them
+            tensors = tuple(_ReadsSlot.wrap(t, grads, s) for s, t in enumerate(tensors))
         # slots 0..S-1 are not touched: a mix that saved them sees its version unchanged, and may read them
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffer):
             buffer[S].copy_(v)
         filled[0] = S + 1
-        return SourceStack((*self, v), buffer, filled)
+        return SourceStack((*tensors, _ReadsSlot.wrap(v, grads, S)), buffer, filled, grads)
 
     def stacked(self):
         """The sources as one fp32 [S, ..., d]: the buffer's filled slots (a view), or a transient stack."""
         return _stacked(self, _buffered(self))
+
+
+class SourceGrads:
+    """The gradients of a SourceStack's sources, in one fp32 buffer shaped as the stack's (made, zeros, at the
+    first backward that adds to it): each mix's backward adds the gradients of all its S sources into
+    slots(S) in place, and a source's _ReadsSlot node takes its slot's sum once every mix that read it has
+    added to it (autograd runs that node after all of them), leaving the slot zero for another backward."""
+
+    def __init__(self, like):
+        self.like, self.sums = like, None
+
+    def slots(self, S):
+        """Slots 0..S-1, to add a mix's source gradients into."""
+        if self.sums is None:
+            self.sums = torch.zeros_like(self.like)
+        return self.sums[:S]
+
+    def take(self, s, grad, dtype):
+        """Slot s's sum plus grad (the source's gradient from outside the mixes, or None), in dtype; the slot
+        is left zero."""
+        if self.sums is None:
+            return grad
+        slot = self.sums[s]
+        total = (slot if grad is None else slot.add_(grad)).to(dtype, copy=True)
+        slot.zero_()
+        return total
+
+
+class _ReadsSlot(torch.autograd.Function):
+    """A source as a SourceStack hands it to the mixes: the same values (a view), whose backward returns the
+    source's gradient summed in its slot (SourceGrads.take) plus any other gradient it got."""
+
+    @staticmethod
+    def forward(ctx, v, grads, s):
+        ctx.set_materialize_grads(False)
+        ctx.grads, ctx.s, ctx.dtype = grads, s, v.dtype
+        return v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.grads.take(ctx.s, grad, ctx.dtype), None, None
+
+    @staticmethod
+    def wrap(v, grads, s):
+        """v behind a node reading slot s of grads, where a gradient can reach it (else v)."""
+        return _ReadsSlot.apply(v, grads, s) if v.requires_grad and torch.is_grad_enabled() else v
+
+
+def _slot_grads(sources):
+    """A SourceStack's SourceGrads, where its mixes add their source gradients: when every source that needs
+    a gradient reads its slot from them (None: a list, a stacked tensor, a stack without buffers, no backward
+    to come, or a source appended without a gradient and needing one now: the mix then returns one per source)."""
+    if not isinstance(sources, SourceStack) or sources.grads is None or not torch.is_grad_enabled():
+        return None
+    reads = [getattr(t.grad_fn, "grads", None) is sources.grads for t in sources if t.requires_grad]
+    return sources.grads if reads and all(reads) else None
 
 
 def _buffered(sources):
@@ -636,7 +698,7 @@ def depth_attention(sources, query, norm_weight, eps=1e-6, impl="auto"):
     """sum_s softmax_s(<query, RMSNorm(sources_s)>) sources_s: a softmax over depth per token.
     sources: a list of S >= 1 tensors [..., d] of one shape and dtype, one stacked [S, ..., d], or a
     SourceStack; query and norm_weight [d]. Returns mix [..., d] in the sources' dtype."""
-    stacked = _buffered(sources)
+    stacked, grads = _buffered(sources), _slot_grads(sources)
     sources = _source_list(sources)
     if use_triton(impl, sources[0]):
         return depth_attention_op(sources, query, norm_weight, eps)[0]
@@ -646,7 +708,7 @@ def depth_attention(sources, query, norm_weight, eps=1e-6, impl="auto"):
         V = _stacked(sources, stacked)
         with fp32_math(V):
             return cast(_depth_attention_ref_fwd(V, query, norm_weight, eps)[0], sources[0].dtype)
-    return DepthAttentionTorch.apply(query, norm_weight, eps, stacked, *sources)
+    return DepthAttentionTorch.apply(query, norm_weight, eps, stacked, grads, *sources)
 
 
 # the reference: the kernels' formulas in plain PyTorch, on the sources stacked as one fp32 V [S, ..., d] (a
@@ -667,8 +729,9 @@ def _depth_attention_ref_fwd(V, query, norm_weight, eps):
     return (torch.exp(z - lse).unsqueeze(-1) * V).sum(0), lse, (dots, rho)
 
 
-def _depth_attention_ref_bwd(V, query, norm_weight, stats, lse, grad_mix):
-    """(grad V [S, ..., d], grad query, grad norm_weight), fp32; stats: the forward's (dots, rho)."""
+def _depth_attention_ref_bwd(V, query, norm_weight, stats, lse, grad_mix, into=None):
+    """(grad V [S, ..., d], grad query, grad norm_weight), fp32; stats: the forward's (dots, rho). into: an
+    fp32 [S, ..., d] that grad V is added to in place (and returned), instead of a new tensor."""
     qw, (dots, rho) = upcast(query) * upcast(norm_weight), stats
     w = torch.exp(dots * rho - lse)
     g = upcast(grad_mix)
@@ -676,7 +739,8 @@ def _depth_attention_ref_bwd(V, query, norm_weight, stats, lse, grad_mix):
     gz = w * (g_v - (w * g_v).sum(0))  # through the softmax; <g, mix> = sum_s w_s <g, v_s>
     c_q = gz * rho  # dz_s / d qw = rho_s v_s, dz_s / d v_s = rho_s qw - <v_s, qw> rho_s^3 v_s / d
     c_v = c_q * dots * rho * rho / -qw.numel()
-    grad_V = (V * c_v.unsqueeze(-1)).addcmul_(w.unsqueeze(-1), g).addcmul_(c_q.unsqueeze(-1), qw)
+    grad_V = V * c_v.unsqueeze(-1) if into is None else into.addcmul_(V, c_v.unsqueeze(-1))
+    grad_V.addcmul_(w.unsqueeze(-1), g).addcmul_(c_q.unsqueeze(-1), qw)
     dqw = (c_q.reshape(1, -1) @ V.reshape(-1, qw.numel())).squeeze(0)
     return grad_V, dqw * upcast(norm_weight), dqw * upcast(query)
 
@@ -718,24 +782,28 @@ class DepthAttentionTorch(torch.autograd.Function):
     saves them as they are and gives each its own gradient), the query, norm_weight and lse as the op does,
     and, unlike the op, the forward's per-source statistics (dots and rho: 2 S fp32 per token), which spares
     the backward two passes over the sources. stacked: a SourceStack's buffer view of the same sources,
-    saved too (one storage, shared by every mix of the stack), or None: a transient stack in each direction."""
+    saved too (one storage, shared by every mix of the stack), or None: a transient stack in each direction.
+    grads: the stack's SourceGrads, or None: with it, the backward adds the source gradients into its slots
+    (no gradient per source returned: each source's _ReadsSlot node hands autograd the slot's sum)."""
 
     @staticmethod
-    def forward(ctx, query, norm_weight, eps, stacked, *sources):
+    def forward(ctx, query, norm_weight, eps, stacked, grads, *sources):
         V = _stacked(sources, stacked)
         with fp32_math(V):
             mix, lse, (dots, rho) = _depth_attention_ref_fwd(V, query, norm_weight, eps)
         ctx.save_for_backward(query, norm_weight, lse, dots, rho, stacked, *sources)
+        ctx.grads = grads
         return cast(mix, sources[0].dtype)
 
     @staticmethod
     def backward(ctx, grad_mix):
         query, norm_weight, lse, dots, rho, stacked, *sources = ctx.saved_tensors
-        V = _stacked(sources, stacked)
+        V, into = _stacked(sources, stacked), ctx.grads and ctx.grads.slots(len(sources))
         with fp32_math(grad_mix):
-            grad_V, gq, gw = _depth_attention_ref_bwd(V, query, norm_weight, (dots, rho), lse, grad_mix)
-        grads = [g.to(v.dtype) for g, v in zip(grad_V, sources)]  # views of grad_V where the dtypes agree
-        return gq.to(query.dtype), gw.to(norm_weight.dtype), None, None, *grads
+            grad_V, gq, gw = _depth_attention_ref_bwd(V, query, norm_weight, (dots, rho), lse, grad_mix, into)
+        # in the slots, or views of grad_V where the dtypes agree
+        grads = [None] * len(sources) if into is not None else [g.to(v.dtype) for g, v in zip(grad_V, sources)]
+        return gq.to(query.dtype), gw.to(norm_weight.dtype), None, None, None, *grads
 
 
 def _source_list(sources, op="depth_attention"):
@@ -1517,7 +1585,7 @@ def dense_mix(sources, weights, impl="auto"):
     stacked [S, ..., d], or a SourceStack): weights [S] -> out [..., d] = sum_s w[s] x_s (one weight per
     source: DenseFormer's DWA); weights [..., C, S] -> out [..., C, d], out_c = sum_s w[c, s] x_s (per token
     and way: MUDDFormer). fp32 inside; out in the sources' dtype."""
-    stacked = _buffered(sources)
+    stacked, grads = _buffered(sources), _slot_grads(sources)
     sources = _source_list(sources, "dense_mix")
     S, v = len(sources), sources[0]
     if weights.shape[-1] != S or (weights.dim() > 1 and weights.shape[:-2] != v.shape[:-1]):
@@ -1529,7 +1597,7 @@ def dense_mix(sources, weights, impl="auto"):
         V = _stacked(sources, stacked)
         with fp32_math(V):
             return cast(_dense_mix_ref_fwd(V, weights), v.dtype)
-    return DenseMixTorch.apply(weights, stacked, *sources)
+    return DenseMixTorch.apply(weights, stacked, grads, *sources)
 
 
 # the reference: batched ops on the sources stacked as one fp32 V [S, ..., d] (a SourceStack's buffer, or a
@@ -1544,13 +1612,16 @@ def _dense_mix_ref_fwd(V, weights):
     return torch.matmul(w, V.movedim(0, -2))
 
 
-def _dense_mix_ref_bwd(V, weights, grad):
-    """(grad V: [S, ..., d] (weights [S]) or [..., S, d] (weights [..., C, S]), grad weights), fp32."""
+def _dense_mix_ref_bwd(V, weights, grad, into=None):
+    """(grad V: [S, ..., d] (weights [S]) or [..., S, d] (weights [..., C, S]), grad weights), fp32. into: an
+    fp32 [S, ..., d] that grad V is added to in place (and returned, [S, ..., d]), instead of a new tensor."""
     g, w = upcast(grad), upcast(weights)
     if w.dim() == 1:  # dx_s = w[s] g; dw[s] = <g, x_s> over all tokens
-        return w.view(-1, *(1,) * g.dim()) * g, V.reshape(len(w), -1) @ g.reshape(-1)
+        w_s = w.view(-1, *(1,) * g.dim())
+        return w_s * g if into is None else into.addcmul_(w_s, g), V.reshape(len(w), -1) @ g.reshape(-1)
     # dx_s = sum_c w[c, s] g_c for all s; dw[c, s] = <g_c, x_s>
-    return torch.matmul(w.transpose(-1, -2), g), torch.matmul(g, V.movedim(0, -1))
+    grad_V = torch.matmul(w.transpose(-1, -2), g)
+    return grad_V if into is None else into.add_(grad_V.movedim(-2, 0)), torch.matmul(g, V.movedim(0, -1))
 
 
 def _dense_mix_source_grads(grad_V, weights, sources, copy):
@@ -1584,11 +1655,13 @@ def _dense_mix_grads_of(ctx, grad, backward):
 class DenseMixTorch(torch.autograd.Function):
     """The reference with autograd (impl="torch"): saves the weights and the sources as they are (passed
     one by one: a gradient each). stacked: a SourceStack's buffer view of the same sources, saved too (one
-    storage, shared by every mix of the stack), or None: a transient stack in each direction."""
+    storage, shared by every mix of the stack), or None: a transient stack in each direction. grads: the
+    stack's SourceGrads, or None: as DepthAttentionTorch's, the source gradients go into its slots."""
 
     @staticmethod
-    def forward(ctx, weights, stacked, *sources):
+    def forward(ctx, weights, stacked, grads, *sources):
         ctx.save_for_backward(weights, stacked, *sources)
+        ctx.grads = grads
         V = _stacked(sources, stacked)
         with fp32_math(V):
             return cast(_dense_mix_ref_fwd(V, weights), sources[0].dtype)
@@ -1596,10 +1669,12 @@ class DenseMixTorch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         weights, stacked, *sources = ctx.saved_tensors
-        V = _stacked(sources, stacked)
+        V, into = _stacked(sources, stacked), ctx.grads and ctx.grads.slots(len(sources))
         with fp32_math(grad):
-            grad_V, gw = _dense_mix_ref_bwd(V, weights, grad)
-        return gw.to(weights.dtype), None, *_dense_mix_source_grads(grad_V, weights, sources, copy=False)
+            grad_V, gw = _dense_mix_ref_bwd(V, weights, grad, into)
+        if into is not None:
+            return gw.to(weights.dtype), None, None, *[None] * len(sources)
+        return gw.to(weights.dtype), None, None, *_dense_mix_source_grads(grad_V, weights, sources, copy=False)
 
 
 if triton is not None:

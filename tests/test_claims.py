@@ -140,6 +140,61 @@ def test_a_measured_rows_figures_are_in_its_committed_output():
 EARLIER = "On the earlier sessions' machine"
 
 
+def epyc_steps():
+    """{(side, design): [its step / prenorm's, per run]} from results/model16_epyc_gradient_slots.txt, the 12
+    bench outputs (before and after the gradient slots, 6 runs each) that docs/kernels.md's EPYC table reads."""
+    steps, side = {}, None
+    for line in (REPO / "results" / "model16_epyc_gradient_slots.txt").read_text().splitlines():
+        head = re.match(r"# ==== (before|after), run \d", line)
+        side = head[1] if head else side
+        row = re.match(r"\| (.+?) \| [\d.]+ \| ([\d.]+)x \| n/a", line)  # the step table, not the fit's
+        if row:
+            steps.setdefault((side, row[1]), []).append(float(row[2]))
+    return steps
+
+
+def test_the_epyc_step_table_is_the_median_and_range_of_its_runs():
+    """docs/kernels.md's table of the designs' steps on the EPYC, before and after the gradient slots: each
+    cell is the median (range) of the committed runs; a changed figure is caught."""
+    import statistics
+    steps = epyc_steps()
+    assert {len(v) for v in steps.values()} == {6}
+    section = (REPO / "docs" / "kernels.md").read_text().split("**On an AMD EPYC, with the gradient slots.**")[1]
+    section = section.split("\nPaired by run")[0]
+    names = {"value_residual (learned)": "prenorm (value_residual=learned)",
+             "mhc_lite (`mhc_res=birkhoff`)": "mhc (mhc_res=birkhoff)"}
+
+    def cell(side, design):
+        x = steps[(side, design)]
+        return f"{statistics.median(x):.2f}x ({min(x):.2f}-{max(x):.2f})"
+
+    def misquoted(text):
+        rows = re.findall(r"^\| ([^|]+?) \| [\d.]+x \| ([^|]+?) \| ([^|]+?) \|", text, re.M)
+        assert len(rows) == 7, rows
+        return [d for d, before, after in rows if before != cell("before", names.get(d, d))
+                or after.replace("**", "") != cell("after", names.get(d, d))]
+    assert misquoted(section) == []
+    assert misquoted(section.replace("**1.48x** (1.40-1.50)", "**1.40x** (1.40-1.50)")) == ["attnres"]
+    # the paired reading below it: each run's after over the before of the same run, geometric mean, t-interval
+    import math
+    import stats
+    paired = (REPO / "docs" / "kernels.md").read_text().split("\nPaired by run")[1].split("\n\n")[0]
+    d = [math.log(a / b) for a, b in zip(steps[("after", "attnres")], steps[("before", "attnres")])]
+    mean, sd = stats.mean_std(d)
+    (lo, hi), p = stats.t_test(mean, sd / len(d) ** 0.5, len(d) - 1)
+    quoted = f"attnres **{math.exp(mean):.2f}x** ({math.exp(lo):.2f}-{math.exp(hi):.2f}, p {p:.2g}; Holm over the"
+    assert quoted in " ".join(paired.split()), quoted
+    assert f"four designs the slots touch, attnres, block_attnres, dwa and mudd: {min(1, 4 * p):.2f})" in " ".join(paired.split())
+    # and the README's sentence of it
+    med = {design: statistics.median(steps[("after", design)]) for _, design in steps}
+    readme = (f"the gradient slots take attnres from {statistics.median(steps[('before', 'attnres')]):.2f}x to "
+              f"{med['attnres']:.2f}x (paired {math.exp(mean):.2f}x, p {p:.2g}) and attnres's bytes per step")
+    assert readme in README, readme
+    others = ", ".join(f"{name} {med[names.get(name, name)]:.2f}x" for name in
+                       ("mudd", "block_attnres", "dwa", "mhc", "mhc_lite (`mhc_res=birkhoff`)"))
+    assert others.replace(" (`mhc_res=birkhoff`)", "") in README, others
+
+
 def test_the_depth_tables_figures_are_what_the_multiplier_command_prints():
     """The README's "Compute multipliers by depth" section: every decimal figure is printed by its command."""
     section = README.split("\n### Compute multipliers by depth\n", 1)[1].split("```bash", 1)[0]

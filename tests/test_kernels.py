@@ -282,13 +282,10 @@ def test_depth_attention_stacked_sources(layout):
     compare(lambda s, q, w, impl: kernels.depth_attention(s, q, w, impl=impl), [stacked, q, w], torch.float32)
 
 
-def source_stack_chain(use_stack, dtype, grow=4):
+def mix_chain(x, params, use_stack):
     """A chain as the models make it: each step mixes every source so far (depth_attention, dense_mix with
     shared weights, dense_mix with per-token weights, in turn) and appends the result, from a SourceStack (or
-    a plain list); capacity 3, so the stack outgrows its buffer. Returns (the outputs, grads of every input)."""
-    torch.manual_seed(0)
-    x = torch.randn(2, 5, 24, dtype=dtype, requires_grad=True)
-    params = [torch.randn(2, 24, dtype=dtype, requires_grad=True) for _ in range(grow)]
+    a plain list); capacity 3, so the stack outgrows its buffer. Returns the outputs."""
     sources = kernels.SourceStack.start(x, 3, "torch") if use_stack else [x]
     outs = []
     for i, p in enumerate(params):
@@ -302,18 +299,56 @@ def source_stack_chain(use_stack, dtype, grow=4):
             y = kernels.dense_mix(sources, w, impl="torch").sum(-2)
         outs.append(y)
         sources = sources.append(y) if use_stack else sources + [y]
+    return outs
+
+
+def source_stack_chain(use_stack, dtype, grow=4):
+    """mix_chain on the same values in any dtype: (the outputs, grads of every input)."""
+    torch.manual_seed(0)  # the same values in every dtype
+    x = torch.randn(2, 5, 24).to(dtype).requires_grad_()
+    params = [torch.randn(2, 24).to(dtype).requires_grad_() for _ in range(grow)]
+    outs = mix_chain(x, params, use_stack)
     loss = sum((o.float() * (i + 1)).sum() for i, o in enumerate(outs))
     return outs, torch.autograd.grad(loss, [x, *params])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_source_stack_mixes_equal_the_lists(dtype):
-    """A SourceStack's buffer holds the sources the list holds: the same mixes and gradients bit for bit
-    (the reference stacks the list the same way), across appends past the buffer's capacity and backwards
-    that run after later appends."""
+    """A SourceStack's buffer holds the sources the list holds: the same mixes bit for bit (the reference
+    stacks the list the same way), across appends past the buffer's capacity and backwards that run after
+    later appends. The gradients: the stack's mixes sum each source's gradients in fp32 slots (SourceGrads)
+    and hand it over once, where autograd sums the list's, one per mix, in the source's dtype: the same
+    terms in another order and rounding, within the kernels' tolerance of the dtype, element by element."""
     a, b = source_stack_chain(True, dtype), source_stack_chain(False, dtype)
-    for x, y in zip(a[0] + list(a[1]), b[0] + list(b[1])):
+    for x, y in zip(a[0], b[0]):
         assert torch.equal(x, y)
+    for i, (x, y) in enumerate(zip(a[1], b[1])):
+        assert x.dtype == y.dtype == dtype
+        if dtype == torch.float32:
+            assert_close(x, y.double(), dtype, f"grad of input {i}")
+        else:  # a source's gradient rounded once or once per mix: the difference reaches, through the later
+            # mixes' backwards, the gradients of every source before it, so 4x the bf16 tolerance
+            err, ref = (x.double() - y.double()).abs(), y.double()
+            assert (err <= 4 * TOL[dtype] * (scale_of(ref) + ref.abs())).all(), f"grad of input {i}"
+
+
+def test_source_stack_gradients_gradcheck():
+    """The gradients through a stack's slots against finite differences, in fp64, on a chain that outgrows
+    its buffer (its sources then move to a second buffer with slots of its own). gradcheck runs a backward per
+    output element on one graph: a slot that kept its sum after handing it over would count it twice."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
+    params = [torch.randn(2, 8, dtype=torch.float64, requires_grad=True) for _ in range(5)]
+    assert torch.autograd.gradcheck(lambda x, *p: tuple(mix_chain(x, p, True)), (x, *params))
+    outs = mix_chain(x, params, True)  # and a source read by the mixes and by the loss besides
+    gx = torch.autograd.grad(sum(o.sum() for o in outs) + x.square().sum(), x)[0]
+    expect = torch.autograd.grad(sum(o.sum() for o in mix_chain(x, params, False)) + x.square().sum(), x)[0]
+    torch.testing.assert_close(gx, expect, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():  # a source appended without a gradient that needs one at the mix: one per source
+        stack = kernels.SourceStack.start(x, 2, "torch")
+    w = torch.tensor([0.5], dtype=torch.float64)
+    assert kernels._slot_grads(stack) is None
+    assert torch.equal(torch.autograd.grad(kernels.dense_mix(stack, w).sum(), x)[0], torch.full_like(x, 0.5))
 
 
 def test_source_stack_branches_keep_their_own_slots():
