@@ -73,6 +73,7 @@ Ratios measured in one run are what to compare: absolute times drift on a shared
 """
 
 import contextlib
+import csv
 import functools
 import json
 import math
@@ -675,6 +676,14 @@ def cpu_name(cpuinfo="/proc/cpuinfo"):
     return names[0] if names and names[0] else (platform.processor() or "unknown")
 
 
+def device_label(device):
+    """What a timing ran on, as bench prints and records it: the GPU's name, or the CPU's and its threads."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    n = torch.get_num_threads()
+    return f"CPU ({cpu_name()}, {n} thread{'s' if n > 1 else ''})"
+
+
 def cores_busy(seconds=1.0, stat="/proc/stat"):
     """The fraction of the CPUs' time spent busy (not idle, not waiting on I/O) over the next `seconds`, from
     the kernel's counters (Linux); None where there are none. The load average lags by minutes: a machine
@@ -800,8 +809,7 @@ def bench_steps(sweep, rounds, out_path, device, dtype):
             for name, ov in cells]
     base_of = flops.baselines(keys, sw["baseline"])
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    label = (torch.cuda.get_device_name(device) if device.type == "cuda" else
-             f"CPU ({torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''})")
+    label = device_label(device)
     print(f"\n## training steps of {sweep}'s {len(cells)} cells, {rounds} interleaved rounds, on {label}")
     steps = {}
     torch._dynamo.reset()  # compiled (on a GPU, as the runs are): room in dynamo's cache for every cell's model
@@ -817,14 +825,15 @@ def bench_steps(sweep, rounds, out_path, device, dtype):
                 times[name].append(timeit(steps[name], device, 3, warmup=0, what=f"step of {name}"))
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     ratios = {}
-    with open(out_path + ".tmp", "w") as f:
-        f.write("cell,baseline,n_layer,device,round,ms,baseline_ms\n")
+    with open(out_path + ".tmp", "w", newline="") as f:
+        w = csv.writer(f)  # quoted where a field needs it: the device label holds a comma
+        w.writerow(["cell", "baseline", "n_layer", "device", "round", "ms", "baseline_ms"])
         for name in steps:
             base = base_of[name]
             if base == name:
                 continue
             for i, (t, tb) in enumerate(zip(times[name], times[base])):
-                f.write(f"{name},{base},{cfgs[name]['n_layer']},{label},{i},{t * 1e3:.4f},{tb * 1e3:.4f}\n")
+                w.writerow([name, base, cfgs[name]["n_layer"], label, i, f"{t * 1e3:.4f}", f"{tb * 1e3:.4f}"])
             ratios[name] = [t / tb for t, tb in zip(times[name], times[base])]
     os.replace(out_path + ".tmp", out_path)
     rng = np.random.default_rng(0)
@@ -1366,8 +1375,7 @@ def bench_gpu(cfg, argv):
     backend = cfg["backend"] if device.type == "cuda" else "aot_eager"  # inductor on a CPU: minutes per model
     reps = cfg["reps"] or (2 if dry else 30)
     path = cfg["results"] or os.path.join(REPO, *(("out", "gpu-dry-run") if dry else ("docs",)), "results.md")
-    meta = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else
-                f"CPU ({torch.get_num_threads()} threads)", torch=torch.__version__,
+    meta = dict(device=device_label(device), torch=torch.__version__,
                 triton=getattr(kernels.triton, "__version__", None), cuda=torch.version.cuda,
                 python=sys.version.split()[0], command=" ".join(["python bench.py", *argv]), commit=git_commit(),
                 started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), dry_run=dry,
@@ -1413,7 +1421,7 @@ def main(argv=None):
     run_config.keep_freed_memory(device)  # a CPU's steps timed with the allocator train.py runs them with
     reps = cfg["reps"] or (50 if device.type == "cuda" else 20)
     print(f"torch {torch.__version__}, triton {getattr(kernels.triton, '__version__', 'not installed')}, "
-          f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else f'CPU ({cpu_name()}), {torch.get_num_threads()} threads'}")
+          f"{device_label(device)}")
     if cfg["section"] in ("all", "kernels"):
         bench_kernels(device, dtype, cfg["compile"], reps)
     use_compile = cfg["compile"] and device.type == "cuda"

@@ -510,12 +510,7 @@ def run_budget_sweep(argv, sw):
                 *([] if timed else [f"--budget={b!r}"]),
                 *([f"--cells={here!r}"] if sw["cells"] is not None or len(here) < len(names) else [])]
         rows += [{**r, "budget": b} for r in run_sweep(one, argv)]
-        with open(path + ".tmp", "w", newline="") as f:  # after each budget: a sweep cut short keeps what it ran
-            w = csv.DictWriter(f, FIELDS)
-            w.writeheader()
-            for r in rows:
-                w.writerow({k: r.get(k, "") for k in FIELDS})
-        os.replace(path + ".tmp", path)
+        write_rows(path, rows)  # after each budget: a sweep cut short keeps what it ran
         print(f"the budgets so far: {path} (python flops.py multiplier {path}: the compute multipliers)", flush=True)
     return rows
 
@@ -718,16 +713,22 @@ def significance_lines(cells, baseline=None, adjust="holm"):
     return lines
 
 
+def write_rows(path, rows):
+    """rows as a results.csv at path (FIELDS' columns; a missing key or None: empty), written whole or not at all."""
+    with open(path + ".tmp", "w", newline="") as f:
+        w = csv.DictWriter(f, FIELDS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k, "") for k in FIELDS})
+    os.replace(path + ".tmp", path)
+
+
 def write_results(root, runs, cfgs, status, budget, baseline=None, budget_seconds=None):
     """results.csv (a row per run), results.md (results_markdown) and results.png."""
     rows = [run_row(run, cfgs[run[0]], os.path.join(root, run[0]), status[run[0]]) for run in runs]
     for r in rows:  # the budget column: FLOPs, or seconds in an equal-time sweep (flops.py multiplier reads it)
         r["budget"] = budget_seconds if budget_seconds is not None else budget
-    with open(os.path.join(root, "results.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, FIELDS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: r.get(k, "") for k in FIELDS})
+    write_rows(os.path.join(root, "results.csv"), rows)
     cells = aggregate(rows)
     with open(os.path.join(root, "results.md"), "w") as f:
         what = ("each run at its max_iters" if budget is None and budget_seconds is None else
@@ -1086,6 +1087,11 @@ OPTIMIZER_ARGS = ("--optimizer=", "--muon_")  # the keys that say how a run was 
 LR_ARG = "--learning_rate="  # and the learning rate (AdamW's; under Muon, the AdamW side's)
 
 
+def arg_float(args, prefix, default=None):
+    """The value of the first of a run's args that starts with prefix ("--learning_rate="), as a float; else default."""
+    return next((float(a[len(prefix):]) for a in args if a.startswith(prefix)), default)
+
+
 def optimizer_key(row, adamw_lr=None, recipe_lr=None):
     """(optimizer, design, depth, budget) of a results row. The optimizer is its optimizer column (see
     optimizer_label; a CSV from before that column: "muon" with the muon_* keys of its args when they set
@@ -1101,7 +1107,7 @@ def optimizer_key(row, adamw_lr=None, recipe_lr=None):
         defaults = {f"--{k}={run_config.DEFAULTS[k]!r}" for k in run_config.MUON_KEYS}
         muon = [a for a in args if a.startswith("--muon_") and a not in defaults]
         optimizer = " ".join(["muon", *muon]) if "--optimizer='muon'" in args else "adamw"
-    lr = next((float(a[len(LR_ARG):]) for a in args if a.startswith(LR_ARG)), None)
+    lr = arg_float(args, LR_ARG)
     if optimizer == "adamw" and (recipe_lr if lr is None else lr) != adamw_lr:
         optimizer += f" {LR_ARG}{'(the recipe)' if lr is None else f'{lr:g}'}"
     elif optimizer != "adamw" and lr is not None:
@@ -1276,7 +1282,7 @@ def lr_check_table(rows, check_rows, chosen, adamw_lr=None):
         args = (r.get("args") or "").split()
         opt = "muon" if "--optimizer='muon'" in args else "adamw"
         flag = "--muon_lr=" if opt == "muon" else LR_ARG
-        lr = next((float(a[len(flag):]) for a in args if a.startswith(flag)), chosen[opt])
+        lr = arg_float(args, flag, chosen[opt])
         design, L, budget = optimizer_key(r)[1:]  # the LR is the optimizer's, not the design's
         check.setdefault((opt, design, L, budget), {})[lr] = r["val_loss"]
     if not check:

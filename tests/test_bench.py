@@ -340,6 +340,9 @@ def test_cpu_name_reads_the_model_name(tmp_path, monkeypatch):
     info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\n")
     assert bench.cpu_name(str(info)) == "x86_64"
     assert bench.cpu_name(str(tmp_path / "none")) == "x86_64"
+    monkeypatch.setattr(bench, "cpu_name", lambda: "AMD EPYC 9R14")  # what bench prints and records a CPU as
+    threads = torch.get_num_threads()
+    assert bench.device_label(torch.device("cpu")) == f"CPU (AMD EPYC 9R14, {threads} thread{'s' if threads > 1 else ''})"
 
 
 def test_pair_ratios_reads_the_pairs_as_pairs():
@@ -549,7 +552,7 @@ def test_bench_steps_times_every_cell_against_its_baseline(capsys, tmp_path, dat
     out = capsys.readouterr().out
     assert "| nag_L2 | prenorm_L2 | 2 |" in out and f"| {statistics.median(ratios['nag_L2']):.3f} |" in out
     read, device = multiplier.read_step_times(str(bench_steps_csv))  # one run: [[log ratio per round]]
-    assert len(read["vr_L2"]) == 1 and device == "CPU (1 thread)"
+    assert len(read["vr_L2"]) == 1 and device == f"CPU ({bench.cpu_name()}, 1 thread)"  # the CPU named
     assert [math.exp(x) for x in read["vr_L2"][0]] == pytest.approx(ratios["vr_L2"], rel=1e-3)
     again, _ = multiplier.read_step_times(f"{bench_steps_csv},{bench_steps_csv}")  # a list: one entry per run
     assert again["nag_L2"] == read["nag_L2"] * 2 and set(again) == {"nag_L2", "vr_L2"}

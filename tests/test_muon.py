@@ -578,14 +578,9 @@ def test_the_lr_check_says_whether_each_evaluated_cell_ran_at_its_best_lr():
 
 
 def write_results(path, rows):
-    """rows as a results.csv (flops.FIELDS' columns, None as empty), for the commands that read files."""
-    import csv
+    """rows as a results.csv (flops.write_rows), for the commands that read files: its path."""
     import flops
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, flops.FIELDS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: "" for k in flops.FIELDS} | {k: ("" if v is None else v) for k, v in r.items()})
+    flops.write_rows(str(path), rows)
     return str(path)
 
 
